@@ -1,0 +1,792 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Build, save and export the vLLM NIXL patch series.
+
+The repository holds only what the series adds on top of the vLLM release
+sdist: new files at their upstream paths and one diff per patch against
+upstream files, described in order by ``series/manifest.toml``. This tool
+turns that into a git tree of the patched release (``build/vllm``) and back.
+
+Subcommands:
+    fetch       download the release sdist into build/cache and verify it
+    build       recreate build/vllm: pristine release + one commit per patch
+    export      git format-patch the series (default build/series-export)
+    roundtrip   export, git am onto a fresh pristine tree, compare trees
+    save        write the commits above the release tag back into the repo
+    summary     print the series
+
+Stdlib only; run it with any Python >= 3.11.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_VERSION = "0.33.0"
+SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
+SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+BASE_TAG = f"v{VLLM_VERSION}"
+# Commit id of the pristine base that `build` creates from the sdist. It only
+# depends on the sdist content and the fixed identity/date below, so it is the
+# same on every machine; a different value means the extracted tree differs.
+BASE_COMMIT = "ff70f11a1f3adc8c1cea08a952df75c1740c0962"
+BASE_IDENTITY = ("vLLM release sdist", "noreply@vllm.invalid")
+FIXED_DATE = "2026-01-01T00:00:00+00:00"
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "series" / "manifest.toml"
+DIFF_DIR = ROOT / "series" / "diffs"
+CACHE_DIR = ROOT / "build" / "cache"
+TREE = ROOT / "build" / "vllm"
+EXPORT_DIR = ROOT / "build" / "series-export"
+# Marker in build/vllm/.git naming the last HEAD that is known to be saved in
+# the repository (written by `build` and `save`); `build` refuses to discard
+# any other HEAD unless --force.
+SAVED_HEAD_MARKER = "fork-saved-head"
+
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+TRAILER_RE = re.compile(r"^[A-Za-z0-9-]+: \S")
+
+MANIFEST_HEADER = """\
+# vLLM NIXL patch series on top of the vLLM {version} release sdist.
+#
+# One [[patch]] table per commit, in order. Keys:
+#   name     slug, unique; names the diff file series/diffs/NNNN-<name>.diff
+#   subject  one-line upstream-style commit title
+#   body     commit message body (why the change is needed)
+#   files    new files the patch adds, kept at their upstream path in the repo
+#   diff     optional unified git diff against upstream files
+# The Signed-off-by trailer comes from `signed_off_by` below.
+# `python3 tools/fork.py save` rewrites this file from build/vllm.
+
+"""
+
+
+class ForkError(Exception):
+    """A failure reported to the user as one line, exit status 1."""
+
+
+# --------------------------------------------------------------------------
+# Manifest
+
+
+@dataclass
+class Patch:
+    """One [[patch]] table of the manifest."""
+
+    name: str
+    subject: str = ""
+    body: str = ""
+    files: list[str] = field(default_factory=list)
+    diff: str | None = None
+
+
+@dataclass
+class Manifest:
+    """The parsed series/manifest.toml."""
+
+    signed_off_by: str
+    patches: list[Patch]
+
+
+def _check_relpath(where: str, path: str) -> None:
+    parts = Path(path).parts
+    if not path or Path(path).is_absolute() or ".." in parts or "\\" in path:
+        raise ForkError(f"{where}: bad repo-relative path {path!r}")
+
+
+def load_manifest(require_subject: bool = True) -> Manifest:
+    """Parse and validate the manifest."""
+    rel = MANIFEST.relative_to(ROOT)
+    try:
+        data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ForkError(f"{rel} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ForkError(f"{rel}: invalid TOML: {exc}") from None
+    unknown = set(data) - {"signed_off_by", "patch"}
+    if unknown:
+        raise ForkError(f"{rel}: unknown top-level keys {sorted(unknown)}")
+    signed = data.get("signed_off_by")
+    if not isinstance(signed, str) or not re.fullmatch(r"[^<>]+ <[^<>\s]+>", signed):
+        raise ForkError(f"{rel}: signed_off_by must be 'Name <email>'")
+    raw = data.get("patch", [])
+    if not isinstance(raw, list):
+        raise ForkError(f"{rel}: 'patch' must be an array of tables")
+    patches: list[Patch] = []
+    seen: set[str] = set()
+    for i, table in enumerate(raw, start=1):
+        where = f"{rel}: patch {i}"
+        if not isinstance(table, dict):
+            raise ForkError(f"{where}: not a table")
+        unknown = set(table) - {"name", "subject", "body", "files", "diff"}
+        if unknown:
+            raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
+        name = table.get("name")
+        if not isinstance(name, str) or not SLUG_RE.match(name):
+            raise ForkError(f"{where}: 'name' must be a slug like 'coalesce-regions'")
+        if name in seen:
+            raise ForkError(f"{where}: duplicate name {name!r}")
+        seen.add(name)
+        subject = table.get("subject", "")
+        body = table.get("body", "")
+        files = table.get("files", [])
+        diff = table.get("diff")
+        if not isinstance(subject, str) or "\n" in subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' must be one line")
+        if require_subject and not subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' is missing")
+        if not isinstance(body, str):
+            raise ForkError(f"{where} ({name}): 'body' must be a string")
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ForkError(f"{where} ({name}): 'files' must be a list of paths")
+        for f in files:
+            _check_relpath(f"{where} ({name})", f)
+        if diff is not None:
+            if not isinstance(diff, str):
+                raise ForkError(f"{where} ({name}): 'diff' must be a path")
+            _check_relpath(f"{where} ({name})", diff)
+        patches.append(
+            Patch(name, subject.strip(), body.strip("\n"), list(files), diff)
+        )
+    return Manifest(signed, patches)
+
+
+def _toml_str(value: str) -> str:
+    # A JSON string literal is a valid TOML basic string.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _toml_body(value: str) -> str:
+    literal_ok = "'''" not in value and not any(
+        ord(c) < 32 and c not in "\t\n" for c in value
+    )
+    if not value:
+        return '""'
+    if literal_ok and "\n" in value:
+        return f"'''\n{value}\n'''"
+    return _toml_str(value)
+
+
+def dump_manifest(manifest: Manifest) -> str:
+    """Serialize the manifest as TOML (round-trips through load_manifest)."""
+    out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
+    out.append(f"signed_off_by = {_toml_str(manifest.signed_off_by)}\n")
+    for p in manifest.patches:
+        out.append("\n[[patch]]\n")
+        out.append(f"name = {_toml_str(p.name)}\n")
+        out.append(f"subject = {_toml_str(p.subject)}\n")
+        out.append(f"body = {_toml_body(p.body)}\n")
+        if p.files:
+            items = "".join(f"  {_toml_str(f)},\n" for f in p.files)
+            out.append(f"files = [\n{items}]\n")
+        else:
+            out.append("files = []\n")
+        if p.diff:
+            out.append(f"diff = {_toml_str(p.diff)}\n")
+    return "".join(out)
+
+
+def patch_id(index: int, patch: Patch) -> str:
+    """'NNNN name' as used in messages (index is 1-based)."""
+    return f"{index:04d} {patch.name}"
+
+
+# --------------------------------------------------------------------------
+# git helpers
+
+
+def git_env(identity: tuple[str, str] | None = None) -> dict[str, str]:
+    """Environment for reproducible git commands independent of user config."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GIT_") or k in ("GIT_SSH", "GIT_SSL_CAINFO")
+    }
+    env["GIT_CONFIG_NOSYSTEM"] = "1"
+    env["GIT_CONFIG_GLOBAL"] = os.devnull
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    name, email = identity or BASE_IDENTITY
+    for role in ("AUTHOR", "COMMITTER"):
+        env[f"GIT_{role}_NAME"] = name
+        env[f"GIT_{role}_EMAIL"] = email
+        env[f"GIT_{role}_DATE"] = FIXED_DATE
+    return env
+
+
+GIT_OPTS = [
+    "-c", "core.hooksPath=" + os.devnull,
+    "-c", "commit.gpgSign=false",
+    "-c", "tag.gpgSign=false",
+    "-c", "core.autocrlf=false",
+    "-c", "core.safecrlf=false",
+    "-c", "core.fileMode=true",
+    "-c", "gc.auto=0",
+    "-c", "init.defaultBranch=main",
+    "-c", "advice.detachedHead=false",
+]  # fmt: skip
+
+
+def git(
+    cwd: Path,
+    *args: str,
+    identity: tuple[str, str] | None = None,
+    check: bool = True,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run git in cwd; raise ForkError with git's last stderr line on failure."""
+    proc = subprocess.run(
+        ["git", *GIT_OPTS, *args],
+        cwd=cwd,
+        env=git_env(identity),
+        input=stdin,
+        capture_output=True,
+        text=True,
+    )
+    if check and proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit status {proc.returncode}"
+        raise ForkError(f"git {args[0]} failed in {cwd}: {last}")
+    return proc
+
+
+def git_out(cwd: Path, *args: str) -> str:
+    return git(cwd, *args).stdout.strip()
+
+
+def parse_identity(signed_off_by: str) -> tuple[str, str]:
+    match = re.fullmatch(r"(.+?) <(.+)>", signed_off_by)
+    assert match is not None
+    return match.group(1), match.group(2)
+
+
+# --------------------------------------------------------------------------
+# fetch
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def verify_sdist(path: Path) -> None:
+    got = sha256_of(path)
+    if got != SDIST_SHA256:
+        raise ForkError(
+            f"sdist sha256 mismatch: got {got}, expected {SDIST_SHA256}; "
+            f"delete {_rel(path)} and retry"
+        )
+
+
+def env_python() -> Path:
+    """Python of the project venv (needed by `pip download`, see fetch)."""
+    if os.environ.get("FORK_PYTHON"):
+        return Path(os.environ["FORK_PYTHON"])
+    env_dir = Path(os.environ.get("ENV_DIR", ".venv"))
+    if not env_dir.is_absolute():
+        env_dir = ROOT / env_dir
+    return env_dir / "bin" / "python"
+
+
+def fetch_sdist() -> Path:
+    """Return the verified sdist path, downloading it first if needed.
+
+    The sdist's metadata build needs torch==2.14 in an isolated build env
+    (GBs). Building metadata without isolation from the project venv, which
+    already has torch 2.13 (CPU) and setuptools, takes seconds instead.
+    """
+    target = CACHE_DIR / SDIST_NAME
+    if target.exists():
+        verify_sdist(target)
+        return target
+    python = env_python()
+    if not python.exists():
+        raise ForkError(
+            f"cannot download {SDIST_NAME}: no venv python at {_rel(python)}; "
+            "run `bash tools/setup_env.sh` (it fetches the sdist) or set FORK_PYTHON"
+        )
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    log = CACHE_DIR / "fetch.log"
+    env = dict(os.environ)
+    env.update(VLLM_VERSION_OVERRIDE=VLLM_VERSION, VLLM_TARGET_DEVICE="empty")
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR, prefix=".download-") as tmp:
+        cmd = [
+            str(python), "-m", "pip", "download", "--no-deps",
+            "--no-binary", "vllm", "--no-build-isolation",
+            "--retries", "2", "--timeout", "30",
+            f"vllm=={VLLM_VERSION}", "-d", tmp,
+        ]  # fmt: skip
+        print(f"fetch: downloading {SDIST_NAME} from the package index", flush=True)
+        with open(log, "w", encoding="utf-8") as logf:
+            proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        got = Path(tmp) / SDIST_NAME
+        if proc.returncode != 0 or not got.exists():
+            raise ForkError(
+                f"sdist download failed (pip exit {proc.returncode}), likely no "
+                "network / PyPI unreachable: check connectivity or proxy settings "
+                f"and retry, or copy {SDIST_NAME} (sha256 {SDIST_SHA256[:12]}...) "
+                f"into {_rel(CACHE_DIR)}/; pip log: {_rel(log)}"
+            )
+        shutil.move(str(got), target)
+    verify_sdist(target)
+    return target
+
+
+def cmd_fetch(_: argparse.Namespace) -> int:
+    path = fetch_sdist()
+    print(f"fetch: {_rel(path)} ok (sha256 {SDIST_SHA256[:12]}...)")
+    return 0
+
+
+# --------------------------------------------------------------------------
+# build
+
+
+def make_base(dest: Path, sdist: Path) -> str:
+    """Create a git repo at dest holding the pristine sdist as one commit."""
+    dest.mkdir(parents=True)
+    subprocess.run(
+        ["tar", "-xzf", str(sdist), "-C", str(dest), "--strip-components=1",
+         "--no-same-owner"],
+        check=True,
+    )  # fmt: skip
+    git(dest, "init", "-q")
+    # The sdist ships files the tree's own .gitignore would skip: force-add
+    # so the base commit is exactly the sdist.
+    git(dest, "add", "-f", "-A")
+    git(
+        dest, "commit", "-q", "--cleanup=verbatim", "-m",
+        f"vLLM {VLLM_VERSION} release sdist\n\n{SDIST_NAME} sha256 {SDIST_SHA256}\n",
+    )  # fmt: skip
+    git(dest, "tag", BASE_TAG)
+    head = git_out(dest, "rev-parse", "HEAD")
+    if head != BASE_COMMIT:
+        print(
+            f"warning: pristine base commit is {head}, expected {BASE_COMMIT} "
+            "(extracted tree differs from the reference: file modes/filesystem?)",
+            file=sys.stderr,
+        )
+    return head
+
+
+def commit_message(patch: Patch, signed_off_by: str) -> str:
+    trailer = f"Signed-off-by: {signed_off_by}"
+    body = patch.body.strip("\n")
+    if not body:
+        return f"{patch.subject}\n\n{trailer}\n"
+    last_para = body.split("\n\n")[-1].splitlines()
+    sep = "\n" if all(TRAILER_RE.match(ln) for ln in last_para) else "\n\n"
+    return f"{patch.subject}\n\n{body}{sep}{trailer}\n"
+
+
+def _apply_error(pid: str, diff_rel: str, stderr: str) -> ForkError:
+    errors = [
+        ln[len("error: ") :] for ln in stderr.splitlines() if ln.startswith("error: ")
+    ]
+    hunk = ""
+    for e in errors:
+        m = re.match(r"patch failed: (.+):(\d+)$", e)
+        if m:
+            hunk = f" (hunk at line {m.group(2)})"
+    for e in reversed(errors):
+        m = re.match(r"(\S+): (.+)$", e)
+        if m and m.group(1) not in ("patch failed", "corrupt patch"):
+            return ForkError(
+                f"patch {pid} does not apply: {m.group(1)}: {m.group(2)}{hunk}"
+            )
+    reason = errors[-1] if errors else (stderr.strip().splitlines() or ["?"])[-1]
+    return ForkError(f"patch {pid} does not apply: {diff_rel}: {reason}")
+
+
+def apply_patch(tree: Path, index: int, patch: Patch, signed_off_by: str) -> None:
+    """Add the patch's files, apply its diff and commit it in tree."""
+    pid = patch_id(index, patch)
+    for rel in patch.files:
+        src = ROOT / rel
+        dst = tree / rel
+        if not src.is_file():
+            raise ForkError(f"patch {pid}: new file {rel} is missing from the repo")
+        if dst.exists() or dst.is_symlink():
+            raise ForkError(
+                f"patch {pid}: new file {rel} already exists in the tree; "
+                "changes to existing files belong in the patch's diff"
+            )
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        shutil.copymode(src, dst)
+    if patch.files:
+        git(tree, "add", "-f", "--", *patch.files)
+    if patch.diff:
+        diff_path = ROOT / patch.diff
+        if not diff_path.is_file():
+            raise ForkError(f"patch {pid}: diff {patch.diff} not found")
+        proc = git(
+            tree, "apply", "--index", "--whitespace=nowarn", str(diff_path),
+            check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise _apply_error(pid, patch.diff, proc.stderr)
+    identity = parse_identity(signed_off_by)
+    staged = git(tree, "diff", "--cached", "--quiet", check=False).returncode
+    if staged == 0:
+        print(f"warning: patch {pid} changes nothing", file=sys.stderr)
+    git(
+        tree, "commit", "-q", "--allow-empty", "--cleanup=whitespace",
+        "-F", "-", identity=identity, stdin=commit_message(patch, signed_off_by),
+    )  # fmt: skip
+
+
+def unsaved_reason(tree: Path) -> str | None:
+    """Why rebuilding tree would lose work, or None if it is safe."""
+    status = git(tree, "status", "--porcelain", check=False)
+    if status.returncode != 0:
+        return None  # not a usable repo: nothing to protect
+    if status.stdout.strip():
+        n = len(status.stdout.splitlines())
+        return f"{_rel(tree)} has {n} uncommitted change(s)"
+    head = git(tree, "rev-parse", "-q", "--verify", "HEAD", check=False).stdout
+    marker = tree / ".git" / SAVED_HEAD_MARKER
+    saved = marker.read_text().strip() if marker.exists() else ""
+    if head.strip() and head.strip() != saved:
+        return f"{_rel(tree)} HEAD {head.strip()[:12]} is not saved to the series"
+    return None
+
+
+def mark_saved(tree: Path) -> None:
+    head = git_out(tree, "rev-parse", "HEAD")
+    (tree / ".git" / SAVED_HEAD_MARKER).write_text(head + "\n")
+
+
+def prepare_base(tree: Path, sdist: Path) -> None:
+    """Reset tree to the pristine base, reusing an existing repo if it has one."""
+    if (tree / ".git").is_dir():
+        tag = git(tree, "rev-parse", "-q", "--verify", f"{BASE_TAG}^{{commit}}",
+                  check=False).stdout.strip()  # fmt: skip
+        if tag == BASE_COMMIT:
+            git(tree, "checkout", "-q", "-f", "-B", "main", BASE_TAG)
+            git(tree, "clean", "-q", "-ffdx")
+            return
+    if tree.exists() or tree.is_symlink():
+        shutil.rmtree(tree)
+    make_base(tree, sdist)
+
+
+def build(tree: Path, force: bool) -> Manifest:
+    manifest = load_manifest()
+    sdist = fetch_sdist()
+    if tree.exists() and not force:
+        reason = unsaved_reason(tree)
+        if reason:
+            raise ForkError(
+                f"{reason}; commit and run `python3 tools/fork.py save` first, "
+                "or rerun build with --force to discard it"
+            )
+    prepare_base(tree, sdist)
+    try:
+        for index, patch in enumerate(manifest.patches, start=1):
+            apply_patch(tree, index, patch, manifest.signed_off_by)
+    except ForkError:
+        # Leave a clean tree holding the patches that applied; it is the
+        # series' own output, so the next build may discard it.
+        git(tree, "reset", "-q", "--hard", check=False)
+        git(tree, "clean", "-q", "-ffd", check=False)
+        mark_saved(tree)
+        raise
+    mark_saved(tree)
+    return manifest
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    manifest = build(TREE, args.force)
+    head = git_out(TREE, "rev-parse", "--short=12", "HEAD")
+    print(
+        f"build: {_rel(TREE)} = {BASE_TAG} + {len(manifest.patches)} patch(es), "
+        f"HEAD {head}"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------
+# export / roundtrip
+
+
+def require_tree() -> None:
+    if not (TREE / ".git").is_dir():
+        raise ForkError(f"{_rel(TREE)} missing: run `python3 tools/fork.py build`")
+
+
+def series_commits(tree: Path) -> list[str]:
+    merges = git_out(tree, "rev-list", "--merges", f"{BASE_TAG}..HEAD")
+    if merges:
+        raise ForkError(f"{_rel(tree)}: merge commits above {BASE_TAG}; keep it linear")
+    out = git_out(tree, "rev-list", "--reverse", f"{BASE_TAG}..HEAD")
+    return out.split() if out else []
+
+
+def export(out_dir: Path) -> list[Path]:
+    require_tree()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.patch"):
+        old.unlink()
+    if not series_commits(TREE):
+        return []
+    git(
+        TREE, "format-patch", "-q", "--no-signature", "--no-renames",
+        "-o", str(out_dir.resolve()), f"{BASE_TAG}..HEAD",
+    )  # fmt: skip
+    return sorted(out_dir.glob("*.patch"))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out_dir = Path(args.dir) if args.dir else EXPORT_DIR
+    patches = export(out_dir)
+    if not patches:
+        print("export: empty series, nothing to export")
+        return 0
+    print(f"export: {len(patches)} patch(es) in {_rel(out_dir.resolve())}")
+    for p in patches:
+        print(f"  {p.name}")
+    return 0
+
+
+def cmd_roundtrip(_: argparse.Namespace) -> int:
+    require_tree()
+    commits = series_commits(TREE)
+    if not commits:
+        print("roundtrip: empty series, nothing to check")
+        return 0
+    sdist = fetch_sdist()
+    want = git_out(TREE, "rev-parse", "HEAD^{tree}")
+    (ROOT / "build").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=ROOT / "build", prefix="roundtrip-") as tmp:
+        patches = export(Path(tmp) / "export")
+        fresh = Path(tmp) / "vllm"
+        make_base(fresh, sdist)
+        proc = git(
+            fresh, "am", "-q", "--whitespace=nowarn", *map(str, patches),
+            identity=BASE_IDENTITY, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln]
+            print(f"roundtrip: FAIL: git am of the export failed: {lines[:3]}")
+            return 1
+        got = git_out(fresh, "rev-parse", "HEAD^{tree}")
+        if got != want:
+            stat = git(fresh, "diff", "--stat", want, got, check=False).stdout
+            print(
+                f"roundtrip: FAIL: {len(patches)} exported patch(es) give tree "
+                f"{got[:12]}, build/vllm HEAD tree is {want[:12]}\n{stat}"
+            )
+            return 1
+    print(
+        f"roundtrip: OK: {len(patches)} patch(es) export and `git am` onto a "
+        f"fresh {BASE_TAG} to the same tree {want[:12]}"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------
+# save
+
+
+def commit_text(tree: Path, commit: str) -> tuple[str, str]:
+    """Subject and body of a commit, without Signed-off-by trailers."""
+    msg = git(tree, "log", "-1", "--format=%B", commit).stdout.strip("\n")
+    lines = msg.splitlines()
+    subject = lines[0].strip() if lines else ""
+    body_lines = [ln.rstrip() for ln in lines[1:]]
+    body_lines = [ln for ln in body_lines if not ln.startswith("Signed-off-by:")]
+    body = "\n".join(body_lines).strip("\n")
+    body = re.sub(r"\n{3,}", "\n\n", body)
+    return subject, body
+
+
+def changed_paths(tree: Path, commit: str) -> tuple[list[str], list[str]]:
+    """(added, other) paths of a commit relative to its parent."""
+    out = git(
+        tree, "diff-tree", "-r", "--no-commit-id", "--no-renames", "-z",
+        "--name-status", f"{commit}^", commit,
+    ).stdout  # fmt: skip
+    fields = out.split("\0")
+    added: list[str] = []
+    other: list[str] = []
+    for status, path in zip(fields[0::2], fields[1::2], strict=False):
+        if not status:
+            continue
+        (added if status == "A" else other).append(path)
+    return added, other
+
+
+def write_blob(tree: Path, commit: str, path: str, dest: Path) -> None:
+    data = subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=tree, capture_output=True,
+        check=True, env=git_env(),
+    ).stdout  # fmt: skip
+    mode = git_out(tree, "ls-tree", commit, "--", path).split()[0]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+    dest.chmod(0o755 if mode == "100755" else 0o644)
+
+
+def cmd_save(_: argparse.Namespace) -> int:
+    require_tree()
+    manifest = load_manifest(require_subject=False)
+    status = git_out(TREE, "status", "--porcelain")
+    if status:
+        raise ForkError(
+            f"{_rel(TREE)} has uncommitted changes; commit or amend them there first"
+        )
+    commits = series_commits(TREE)
+    if len(commits) != len(manifest.patches):
+        raise ForkError(
+            f"{_rel(TREE)} has {len(commits)} commit(s) above {BASE_TAG} but "
+            f"{_rel(MANIFEST)} has {len(manifest.patches)} [[patch]] table(s); "
+            "commits map to tables by order, so add a table with just "
+            '`name = "<slug>"` for each new commit (or drop tables) and rerun'
+        )
+    old_files = {f for p in manifest.patches for f in p.files}
+    old_diffs = {p.diff for p in manifest.patches if p.diff}
+    new_patches: list[Patch] = []
+    for index, (commit, old) in enumerate(
+        zip(commits, manifest.patches, strict=True), start=1
+    ):
+        subject, body = commit_text(TREE, commit)
+        added, other = changed_paths(TREE, commit)
+        for path in added:
+            _check_relpath(f"commit {commit[:12]}", path)
+            write_blob(TREE, commit, path, ROOT / path)
+        diff_rel: str | None = None
+        if other:
+            numstat = git_out(TREE, "diff", "--numstat", f"{commit}^", commit,
+                              "--", *other)  # fmt: skip
+            binary = any(ln.startswith("-\t-\t") for ln in numstat.splitlines())
+            extra = ["--binary"] if binary else []
+            text = git(
+                TREE, "diff", "--no-renames", "--no-color", *extra,
+                f"{commit}^", commit, "--", *other,
+            ).stdout  # fmt: skip
+            diff_rel = f"series/diffs/{index:04d}-{old.name}.diff"
+            (ROOT / diff_rel).parent.mkdir(parents=True, exist_ok=True)
+            (ROOT / diff_rel).write_text(text, encoding="utf-8")
+        new_patches.append(Patch(old.name, subject, body, sorted(added), diff_rel))
+        print(
+            f"save: {patch_id(index, old)}: {len(added)} new file(s), "
+            f"{len(other)} upstream file(s) changed"
+        )
+    new_files = {f for p in new_patches for f in p.files}
+    new_diffs = {p.diff for p in new_patches if p.diff}
+    for stale in sorted(old_files - new_files):
+        if (ROOT / stale).is_file():
+            (ROOT / stale).unlink()
+            print(f"save: removed {stale} (no longer added by the series)")
+    for stale in sorted(old_diffs - new_diffs):
+        if (ROOT / stale).is_file():
+            (ROOT / stale).unlink()
+            print(f"save: removed {stale}")
+    new_manifest = Manifest(manifest.signed_off_by, new_patches)
+    MANIFEST.write_text(dump_manifest(new_manifest), encoding="utf-8")
+    if load_manifest() != new_manifest:  # the hand-written TOML must round-trip
+        raise ForkError(f"internal error: {_rel(MANIFEST)} does not round-trip")
+    mark_saved(TREE)
+    print(f"save: wrote {_rel(MANIFEST)} ({len(new_patches)} patch(es))")
+    return 0
+
+
+# --------------------------------------------------------------------------
+# summary
+
+
+def diff_stats(text: str) -> tuple[int, int, int, int]:
+    """(files, hunks, added lines, removed lines) of a unified diff."""
+    files = hunks = plus = minus = 0
+    for line in text.splitlines():
+        if line.startswith("diff --git "):
+            files += 1
+        elif line.startswith("@@"):
+            hunks += 1
+        elif line.startswith("+") and not line.startswith("+++ "):
+            plus += 1
+        elif line.startswith("-") and not line.startswith("--- "):
+            minus += 1
+    return files, hunks, plus, minus
+
+
+def cmd_summary(_: argparse.Namespace) -> int:
+    manifest = load_manifest()
+    if not manifest.patches:
+        print(f"series on vLLM {VLLM_VERSION}: empty series (0 patches)")
+        return 0
+    print(f"series on vLLM {VLLM_VERSION}: {len(manifest.patches)} patch(es)")
+    header = ("#", "name", "new", "diff", "hunks", "+/-", "subject")
+    rows: list[tuple[str, ...]] = []
+    for index, p in enumerate(manifest.patches, start=1):
+        if p.diff and (ROOT / p.diff).is_file():
+            text = (ROOT / p.diff).read_text(encoding="utf-8")
+            nfiles, hunks, plus, minus = diff_stats(text)
+            diff = (str(nfiles), str(hunks), f"+{plus}/-{minus}")
+        else:
+            diff = ("-", "-", "-")
+        rows.append((f"{index:04d}", p.name, str(len(p.files)), *diff, p.subject))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fork.py", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="download and verify the release sdist")
+    p_build = sub.add_parser("build", help="recreate build/vllm from the series")
+    p_build.add_argument(
+        "--force", action="store_true", help="discard unsaved work in build/vllm"
+    )
+    p_export = sub.add_parser("export", help="git format-patch the series")
+    p_export.add_argument("dir", nargs="?", help="output dir (build/series-export)")
+    sub.add_parser("roundtrip", help="check export + git am reproduces build/vllm")
+    sub.add_parser("save", help="write build/vllm commits back into the repo")
+    sub.add_parser("summary", help="print the series")
+    args = parser.parse_args(argv)
+    handlers = {
+        "fetch": cmd_fetch,
+        "build": cmd_build,
+        "export": cmd_export,
+        "roundtrip": cmd_roundtrip,
+        "save": cmd_save,
+        "summary": cmd_summary,
+    }
+    try:
+        return handlers[args.command](args)
+    except ForkError as exc:
+        print(f"fork.py {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
