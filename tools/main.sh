@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# The main job: set up the env, build the patched vLLM tree (build/vllm) and
+# run the series' NIXL descriptor benchmark from it; while the series has no
+# benchmark yet, print the series summary instead. Extra arguments go to the
+# benchmark.
+set -euo pipefail
+
+# Benchmark script, relative to the fork tree (build/vllm).
+BENCH=${BENCH:-benchmarks/kv_transfer/bench_nixl_descriptors.py}
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+ENV_DIR=${ENV_DIR:-.venv}
+case $ENV_DIR in /*) ;; *) ENV_DIR=$ROOT/$ENV_DIR ;; esac
+export ENV_DIR
+VPY=$ENV_DIR/bin/python
+TREE=$ROOT/build/vllm
+HF_DIR=${HF_DIR:-build/hf}
+case $HF_DIR in /*) ;; *) HF_DIR=$ROOT/$HF_DIR ;; esac
+
+bash tools/setup_env.sh
+"$VPY" tools/fork.py build
+
+if [[ -f $TREE/$BENCH ]]; then
+  echo "main: running $BENCH"
+  cd "$TREE"
+  exec env HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
+    PYTHONPATH="$TREE" "$VPY" "$BENCH" "$@"
+fi
+echo "main: no $BENCH in the fork yet; series summary:"
+exec "$VPY" tools/fork.py summary

@@ -1,0 +1,523 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run the series' test suites against build/vllm and print one summary table.
+
+Run it with the project venv's python after `tools/fork.py build` (that is what
+`bash tools/test.sh` does). Every suite is one row of SUITES below:
+
+* ``lint``: one upstream lint tool over the files the series adds or touches
+  (``git diff --name-only v0.33.0..HEAD`` in build/vllm), run from build/vllm
+  with the tree's own configs. A tool with no matching files passes.
+* ``series``: pytest over the test files the manifest's patches add.
+* ``roundtrip``: ``tools/fork.py roundtrip``.
+* ``pytest``: an upstream pytest selection (run inside build/vllm/tests).
+
+Counts come from ``--junitxml``; pytest exit 5 (nothing collected) is 0 tests,
+not a failure, and is noted in the table. Logs and junit files go to
+build/test-results/. Exit status is 1 if any suite failed.
+
+Usage:
+    run_tests.py [--quick] [--only NAME[,NAME...]] [--list]
+    run_tests.py --update-mypy-baseline
+
+``--only`` matches suite names or their prefix before ':' or '-' (``lint``,
+``nixl``); the FORK_TESTS environment variable does the same. ``--quick`` runs
+the lint, series and roundtrip suites only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE = ROOT / "build" / "vllm"
+RESULTS = ROOT / "build" / "test-results"
+CACHE = ROOT / "build" / "cache"
+MANIFEST = ROOT / "series" / "manifest.toml"
+MYPY_BASELINE = ROOT / "tools" / "mypy_baseline.txt"
+BASE_TAG = "v0.33.0"
+PYTHON = sys.executable
+
+# pre-commit's global exclude in the upstream .pre-commit-config.yaml.
+PRECOMMIT_EXCLUDE = re.compile(
+    r"vllm/third_party/.*|vllm/models/kimi_k3/nvidia/ops/third_party/.*"
+    r"|vllm/models/kimi_k3/amd/ops/third_party/.*"
+)
+PY = r"\.pyi?$"
+TETHERING_FILES = (
+    r"^(tests/.*\.py|\.buildkite/(test_areas|hardware_tests|intel_jobs)/.*\.yaml"
+    r"|\.buildkite/(test-amd|ci_config[^/]*)\.yaml"
+    r"|tools/pre_commit/test_tethering_allowlist\.txt)$"
+)
+
+# check_spdx_header.py rewrites files it flags; run its check function only.
+SPDX_CHECK = """\
+import sys
+sys.path.insert(0, "tools/pre_commit")
+import check_spdx_header as c
+bad = [f for f in sys.argv[1:] if c.check_spdx_header_status(f)
+       not in (c.SPDXStatus.COMPLETE, c.SPDXStatus.EMPTY)]
+for f in bad:
+    print(f"{f}: missing SPDX header lines (license + copyright)")
+sys.exit(1 if bad else 0)
+"""
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One row of the summary table."""
+
+    name: str
+    kind: str  # "lint" | "series" | "roundtrip" | "pytest"
+    # lint: command run from build/vllm; "{py}" is the venv python.
+    cmd: tuple[str, ...] = ()
+    files: str | None = None  # lint: regex of touched files the tool takes
+    pass_files: bool = True  # lint: append the matching files to cmd
+    # pytest: paths relative to build/vllm/tests, marker, xdist workers.
+    paths: tuple[str, ...] = ()
+    marker: str | None = None
+    workers: int = 0
+    stock: int | None = None  # passed count on stock 0.33.0 (for reference)
+    quick: bool = False
+
+
+def _lint(name: str, files: str | None, *cmd: str, pass_files: bool = True) -> Suite:
+    return Suite(
+        f"lint:{name}", "lint", cmd, files=files, pass_files=pass_files, quick=True
+    )
+
+
+UNIT = "v1/kv_connector/unit"
+SUITES: list[Suite] = [
+    _lint("ruff-check", PY, "ruff", "check", "--output-format", "concise"),
+    _lint("ruff-format", PY, "ruff", "format", "--check", "--diff"),
+    _lint("mypy", PY, "{py}", "tools/pre_commit/mypy.py", "3.11"),
+    _lint("typos", None, "typos", "--force-exclude"),
+    _lint("spdx-header", r"\.(py|rs|proto)$", "{py}", "-c", SPDX_CHECK),
+    _lint("forbidden-imports", PY, "{py}",
+          "tools/pre_commit/check_forbidden_imports.py"),
+    _lint("torch-cuda", PY, "{py}", "tools/pre_commit/check_torch_cuda.py"),
+    _lint("boolean-context-manager", PY, "{py}",
+          "tools/pre_commit/check_boolean_context_manager.py"),
+    _lint("trust-remote-code", r"^vllm/.*\.py$", "{py}",
+          "tools/pre_commit/check_trust_remote_code.py"),
+    _lint("root-lazy-imports", PY, "{py}",
+          "tools/pre_commit/check_init_lazy_imports.py"),
+    _lint("validate-config", None, "{py}", "tools/pre_commit/validate_config.py"),
+    _lint("test-tethering", TETHERING_FILES, "{py}",
+          "tools/pre_commit/check_test_tethering.py"),
+    _lint("buildkite-step-keys", r"^\.buildkite/.*\.ya?ml$", "{py}",
+          "tools/pre_commit/check_buildkite_step_keys.py", pass_files=False),
+    Suite("series-tests", "series", quick=True),
+    Suite("roundtrip", "roundtrip", quick=True),
+    Suite("nixl-desc-geometry", "pytest", (f"{UNIT}/test_nixl_desc_geometry.py",),
+          workers=2, stock=254),
+    Suite("nixl-connector", "pytest", (f"{UNIT}/test_nixl_connector.py",),
+          marker="cpu_test", workers=2, stock=29),
+    Suite("nixl-connector-hma", "pytest", (f"{UNIT}/test_nixl_connector_hma.py",),
+          marker="cpu_test", workers=2, stock=98),
+    # Unmarked upstream: `-m cpu_test` would select nothing.
+    Suite("nixl-push-connector", "pytest", (f"{UNIT}/test_nixl_push_connector.py",),
+          workers=2, stock=93),
+    Suite("block-pool", "pytest", (
+        "v1/core/test_prefix_caching.py",
+        "v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
+        "v1/core/test_single_type_kv_cache_manager.py",
+        "v1/core/test_deferred_block_free.py",
+    ), marker="cpu_test", stock=295),
+]  # fmt: skip
+
+
+@dataclass
+class Result:
+    """Counts and timing of one suite."""
+
+    name: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def git_lines(*args: str) -> list[str]:
+    out = subprocess.run(
+        ["git", *args], cwd=TREE, capture_output=True, text=True, check=True
+    ).stdout
+    return [ln for ln in out.splitlines() if ln]
+
+
+def touched_files() -> list[str]:
+    """Files the series adds or modifies (deleted ones cannot be linted)."""
+    files = git_lines(
+        "diff", "--name-only", "--no-renames", "--diff-filter=d", f"{BASE_TAG}..HEAD"
+    )
+    return [f for f in files if not PRECOMMIT_EXCLUDE.match(f)]
+
+
+def series_test_files() -> list[str]:
+    """Test files added by the manifest's patches, relative to tests/."""
+    data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
+    out: list[str] = []
+    for patch in data.get("patch", []):
+        for f in patch.get("files", []):
+            name = Path(f).name
+            if (
+                f.startswith("tests/")
+                and f.endswith(".py")
+                and (name.startswith("test_") or name.endswith("_test.py"))
+            ):
+                out.append(f[len("tests/") :])
+    return out
+
+
+def run_env() -> dict[str, str]:
+    env = dict(os.environ)
+    hf_home = Path(os.environ.get("HF_DIR", ROOT / "build" / "hf"))
+    env.update(
+        HF_HOME=str(hf_home.resolve()),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_TARGET_DEVICE="cpu",
+        PYTHONPATH=str(TREE),
+        PATH=f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",
+        # Keep tool caches out of build/vllm so it stays clean.
+        RUFF_CACHE_DIR=str(CACHE / "ruff"),
+        MYPY_CACHE_DIR=str(CACHE / "mypy" / "default"),
+    )
+    return env
+
+
+def run_logged(cmd: Sequence[str], cwd: Path, log: Path, env: dict[str, str]) -> int:
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        return subprocess.run(
+            list(cmd), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT
+        ).returncode
+
+
+def tail(log: Path, n: int = 25) -> str:
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join("    " + ln for ln in lines[-n:])
+
+
+# --------------------------------------------------------------------------
+# mypy with a baseline of stock errors
+
+
+MYPY_ERROR = re.compile(r"^(?P<path>[^:\s]+):\d+: error: (?P<msg>.*)$")
+
+
+def load_mypy_module() -> object:
+    spec = importlib.util.spec_from_file_location(
+        "upstream_mypy", TREE / "tools" / "pre_commit" / "mypy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mypy_errors(
+    tree: Path, files: list[str], log: Path, env: dict[str, str]
+) -> collections.Counter[str]:
+    """Run upstream's mypy.py per file group; return 'path: message' counts.
+
+    mypy.py runs each group with different options; a cache shared between
+    them is invalidated on every call, so each group gets its own cache dir.
+    """
+    module = load_mypy_module()
+    groups: dict[str, list[str]] = module.group_files(files)  # type: ignore[attr-defined]
+    errors: collections.Counter[str] = collections.Counter()
+    for group, group_files in groups.items():
+        if not group_files:
+            continue
+        genv = dict(env)
+        genv["MYPY_CACHE_DIR"] = str(CACHE / "mypy" / (group or "default"))
+        cmd = [PYTHON, "tools/pre_commit/mypy.py", "3.11", *group_files]
+        proc = subprocess.run(cmd, cwd=tree, env=genv, capture_output=True, text=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        found = 0
+        for line in proc.stdout.splitlines():
+            m = MYPY_ERROR.match(line)
+            if m:
+                errors[f"{m.group('path')}: {m.group('msg')}"] += 1
+                found += 1
+        if proc.returncode != 0 and not found:  # crashed, not a type error
+            errors[f"{group or '<default>'}: mypy exit {proc.returncode}"] += 1
+    return errors
+
+
+def load_baseline() -> collections.Counter[str]:
+    counts: collections.Counter[str] = collections.Counter()
+    if MYPY_BASELINE.exists():
+        for line in MYPY_BASELINE.read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.startswith("#"):
+                counts[line] += 1
+    return counts
+
+
+def run_mypy(files: list[str], log: Path, env: dict[str, str]) -> tuple[bool, str]:
+    errors = mypy_errors(TREE, files, log, env)
+    new = errors - load_baseline()
+    known = sum(errors.values()) - sum(new.values())
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"\n{known} stock error(s) ignored (tools/mypy_baseline.txt)\n")
+        for err in sorted(new.elements()):
+            f.write(f"NEW: {err}\n")
+    note = f"{known} stock errors ignored" if known else ""
+    return not new, note
+
+
+def update_mypy_baseline() -> int:
+    """Add stock mypy errors of the touched upstream files to the baseline.
+
+    Runs mypy on the pristine v0.33.0 versions of the files the series
+    modifies (in a temporary worktree) and merges them into the baseline.
+    """
+    env = run_env()
+    modified = [
+        f
+        for f in git_lines(
+            "diff", "--name-only", "--no-renames", "--diff-filter=M",
+            f"{BASE_TAG}..HEAD",
+        )
+        if re.search(PY, f)
+    ]  # fmt: skip
+    if not modified:
+        print("no upstream python files modified; baseline unchanged")
+        return 0
+    worktree = ROOT / "build" / "mypy-base"
+    subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                   cwd=TREE, capture_output=True)  # fmt: skip
+    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
+                    BASE_TAG], cwd=TREE, check=True)  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    log = RESULTS / "mypy-baseline.log"
+    log.write_text("")
+    try:
+        env["PYTHONPATH"] = str(worktree)
+        stock = mypy_errors(worktree, modified, log, env)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                       cwd=TREE, check=False)  # fmt: skip
+    merged = load_baseline() | stock
+    header = [
+        ln
+        for ln in MYPY_BASELINE.read_text(encoding="utf-8").splitlines()
+        if ln.startswith("#")
+    ] if MYPY_BASELINE.exists() else []  # fmt: skip
+    MYPY_BASELINE.write_text(
+        "\n".join([*header, *sorted(merged.elements())]) + "\n", encoding="utf-8"
+    )
+    print(f"{MYPY_BASELINE.relative_to(ROOT)}: {sum(merged.values())} entries")
+    return 0
+
+
+# --------------------------------------------------------------------------
+# suite runners
+
+
+def run_lint(
+    suite: Suite, touched: list[str], log: Path, env: dict[str, str]
+) -> Result:
+    res = Result(suite.name)
+    pattern = re.compile(suite.files) if suite.files else None
+    files = [f for f in touched if pattern is None or pattern.search(f)]
+    if not files:
+        res.passed, res.note = 1, "no files"
+        return res
+    ok: bool
+    if suite.name == "lint:mypy":
+        ok, res.note = run_mypy(files, log, env)
+    else:
+        cmd = [PYTHON if c == "{py}" else c for c in suite.cmd]
+        if suite.pass_files:
+            cmd += files
+        ok = run_logged(cmd, TREE, log, env) == 0
+    if not res.note:
+        res.note = f"{len(files)} file(s)"
+    res.passed, res.failed = (1, 0) if ok else (0, 1)
+    return res
+
+
+def parse_junit(path: Path) -> tuple[int, int, int]:
+    """(passed, failed incl. errors, skipped) from a junit xml file."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    tests = failed = skipped = 0
+    for s in suites:
+        tests += int(s.get("tests", 0))
+        failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
+        skipped += int(s.get("skipped", 0))
+    return tests - failed - skipped, failed, skipped
+
+
+def run_pytest(
+    name: str, paths: Sequence[str], marker: str | None, workers: int,
+    log: Path, env: dict[str, str],
+) -> Result:  # fmt: skip
+    res = Result(name)
+    junit = RESULTS / f"{name}.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+           f"--junitxml={junit}", *paths]  # fmt: skip
+    if marker:
+        cmd += ["-m", marker]
+    if workers:
+        cmd += ["-n", str(workers)]
+    rc = run_logged(cmd, TREE / "tests", log, env)
+    if junit.exists():
+        res.passed, res.failed, res.skipped = parse_junit(junit)
+    if rc == 5:
+        res.note = "exit 5: no tests collected"
+    elif rc != 0 and res.failed == 0:
+        res.failed, res.note = 1, f"pytest exit {rc}"
+    return res
+
+
+def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> Result:
+    log = RESULTS / f"{suite.name.replace(':', '-')}.log"
+    log.write_text("", encoding="utf-8")
+    if suite.kind == "lint":
+        res = run_lint(suite, touched, log, env)
+    elif suite.kind == "series":
+        paths = series_test_files()
+        if not paths:
+            return Result(suite.name, note="no series test files")
+        res = run_pytest(suite.name, paths, suite.marker, suite.workers, log, env)
+    elif suite.kind == "roundtrip":
+        rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
+        res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
+        last = log.read_text(encoding="utf-8").strip().splitlines()[-1:]
+        res.note = last[0].split(":", 2)[-1].strip()[:48] if last else ""
+    else:
+        res = run_pytest(suite.name, suite.paths, suite.marker, suite.workers, log, env)
+    if suite.stock is not None:
+        stock = f"stock {suite.stock}"
+        res.note = f"{res.note}; {stock}" if res.note else stock
+    return res
+
+
+def print_table(results: list[Result]) -> None:
+    total = Result(
+        "TOTAL",
+        sum(r.passed for r in results),
+        sum(r.failed for r in results),
+        sum(r.skipped for r in results),
+        sum(r.seconds for r in results),
+    )
+    header = ("suite", "passed", "failed", "skipped", "seconds", "note")
+    rows = [
+        (r.name, str(r.passed), str(r.failed), str(r.skipped), f"{r.seconds:.1f}",
+         r.note)
+        for r in [*results, total]
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [
+            c.ljust(w) if i in (0, 5) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "| " + " | ".join(cells) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    print("\n" + fmt(header))
+    print(rule)
+    for row in rows[:-1]:
+        print(fmt(row))
+    print(rule)
+    print(fmt(rows[-1]))
+
+
+def select(suites: list[Suite], only: str | None, quick: bool) -> list[Suite]:
+    chosen = [s for s in suites if s.quick] if quick else list(suites)
+    if only:
+        wanted = [w.strip() for w in only.split(",") if w.strip()]
+
+        def match(s: Suite) -> bool:
+            parts = {s.name, s.name.split(":")[0], s.name.split("-")[0], s.kind}
+            return any(w in parts for w in wanted)
+
+        unknown = [w for w in wanted if not any(match(s) for s in suites) and w]
+        if unknown:
+            names = ", ".join(s.name for s in suites)
+            raise SystemExit(
+                f"run_tests.py: unknown suite(s) {unknown}; known: {names}"
+            )
+        chosen = [s for s in chosen if match(s)]
+    return chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="lint, series tests and roundtrip only"
+    )
+    parser.add_argument(
+        "--only",
+        default=os.environ.get("FORK_TESTS"),
+        help="comma-separated suite names or prefixes",
+    )
+    parser.add_argument("--list", action="store_true", help="list suites and exit")
+    parser.add_argument(
+        "--update-mypy-baseline",
+        action="store_true",
+        help="add stock mypy errors of modified upstream files",
+    )
+    args = parser.parse_args(argv)  # fmt: skip
+    if args.list:
+        for s in SUITES:
+            print(f"{s.name:28} {s.kind:10} {'quick' if s.quick else ''}")
+        return 0
+    if not (TREE / ".git").is_dir():
+        print("run_tests.py: build/vllm missing: run `python3 tools/fork.py build`")
+        return 1
+    if args.update_mypy_baseline:
+        return update_mypy_baseline()
+    suites = select(SUITES, args.only, args.quick)
+    if shutil.which("git") is None:
+        print("run_tests.py: git not found")
+        return 1
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    env = run_env()
+    touched = touched_files()
+    print(f"run_tests: {len(suites)} suite(s); series touches {len(touched)} file(s)")
+    results: list[Result] = []
+    for i, suite in enumerate(suites, start=1):
+        print(f"[{i}/{len(suites)}] {suite.name} ...", end=" ", flush=True)
+        start = time.monotonic()
+        res = run_suite(suite, touched, env)
+        res.seconds = time.monotonic() - start
+        results.append(res)
+        status = "FAIL" if res.failed else "ok"
+        print(f"{status} ({res.passed} passed, {res.failed} failed, "
+              f"{res.skipped} skipped, {res.seconds:.1f}s)", flush=True)  # fmt: skip
+        if res.failed:
+            log = RESULTS / f"{suite.name.replace(':', '-')}.log"
+            print(f"  log: {log.relative_to(ROOT)}\n{tail(log)}", flush=True)
+    print_table(results)
+    return 1 if any(r.failed for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

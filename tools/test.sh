@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# THE test command: set up the env, rebuild build/vllm from the series and run
+# every suite of tools/run_tests.py (lint, series tests, roundtrip, upstream
+# NIXL and block-pool CPU suites), ending with one summary table.
+#
+#   bash tools/test.sh                   # everything
+#   bash tools/test.sh --quick           # lint + series tests + roundtrip
+#   bash tools/test.sh --only nixl,block-pool
+#   bash tools/test.sh --no-build ...    # test build/vllm as it is (WIP commits)
+#   FORK_TESTS=lint bash tools/test.sh   # same as --only lint
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+ENV_DIR=${ENV_DIR:-.venv}
+case $ENV_DIR in /*) ;; *) ENV_DIR=$ROOT/$ENV_DIR ;; esac
+export ENV_DIR
+VPY=$ENV_DIR/bin/python
+
+BUILD=1
+ARGS=()
+for arg in "$@"; do
+  case $arg in
+    --no-build) BUILD=0 ;;
+    *) ARGS+=("$arg") ;;
+  esac
+done
+
+start=$SECONDS
+bash tools/setup_env.sh
+if [[ $BUILD == 1 ]]; then
+  "$VPY" tools/fork.py build
+fi
+rc=0
+"$VPY" tools/run_tests.py ${ARGS[@]+"${ARGS[@]}"} || rc=$?
+echo "test.sh: $((SECONDS - start))s in total, exit $rc"
+exit "$rc"
