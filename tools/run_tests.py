@@ -38,7 +38,7 @@ import time
 import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +81,7 @@ class Suite:
 
     name: str
     kind: str  # "lint" | "series" | "roundtrip" | "pytest"
+    _: KW_ONLY
     # lint: command run from build/vllm; "{py}" is the venv python.
     cmd: tuple[str, ...] = ()
     files: str | None = None  # lint: regex of touched files the tool takes
@@ -95,7 +96,7 @@ class Suite:
 
 def _lint(name: str, files: str | None, *cmd: str, pass_files: bool = True) -> Suite:
     return Suite(
-        f"lint:{name}", "lint", cmd, files=files, pass_files=pass_files, quick=True
+        f"lint:{name}", "lint", cmd=cmd, files=files, pass_files=pass_files, quick=True
     )
 
 
@@ -122,21 +123,21 @@ SUITES: list[Suite] = [
           "tools/pre_commit/check_buildkite_step_keys.py", pass_files=False),
     Suite("series-tests", "series", quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
-    Suite("nixl-desc-geometry", "pytest", (f"{UNIT}/test_nixl_desc_geometry.py",),
-          workers=2, stock=254),
-    Suite("nixl-connector", "pytest", (f"{UNIT}/test_nixl_connector.py",),
-          marker="cpu_test", workers=2, stock=29),
-    Suite("nixl-connector-hma", "pytest", (f"{UNIT}/test_nixl_connector_hma.py",),
-          marker="cpu_test", workers=2, stock=98),
+    Suite("nixl-desc-geometry", "pytest", workers=2, stock=254,
+          paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),
+    Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
+          paths=(f"{UNIT}/test_nixl_connector.py",)),
+    Suite("nixl-connector-hma", "pytest", marker="cpu_test", workers=2, stock=98,
+          paths=(f"{UNIT}/test_nixl_connector_hma.py",)),
     # Unmarked upstream: `-m cpu_test` would select nothing.
-    Suite("nixl-push-connector", "pytest", (f"{UNIT}/test_nixl_push_connector.py",),
-          workers=2, stock=93),
-    Suite("block-pool", "pytest", (
+    Suite("nixl-push-connector", "pytest", workers=2, stock=93,
+          paths=(f"{UNIT}/test_nixl_push_connector.py",)),
+    Suite("block-pool", "pytest", marker="cpu_test", workers=2, stock=295, paths=(
         "v1/core/test_prefix_caching.py",
         "v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
         "v1/core/test_single_type_kv_cache_manager.py",
         "v1/core/test_deferred_block_free.py",
-    ), marker="cpu_test", stock=295),
+    )),
 ]  # fmt: skip
 
 
@@ -376,6 +377,8 @@ def run_pytest(
     log: Path, env: dict[str, str],
 ) -> Result:  # fmt: skip
     res = Result(name)
+    if not paths:  # pytest without paths would collect all of tests/
+        raise ValueError(f"suite {name}: no test paths")
     junit = RESULTS / f"{name}.xml"
     junit.unlink(missing_ok=True)
     cmd = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
