@@ -164,6 +164,7 @@ def test_transfer_group_guard_keeps_groups_apart():
         (CoalescingContext(host_staging=True), Guard.HOST_STAGING),
         (CoalescingContext(block_outermost=False), Guard.NOT_BLOCK_OUTERMOST),
         (CoalescingContext(whole_row_packed=True), Guard.WHOLE_ROW),
+        (CoalescingContext(state_caches=True), Guard.STATE_CACHES),
     ],
 )
 def test_worker_wide_guards_keep_every_page_per_layer(context, guard):

@@ -36,6 +36,7 @@ class Guard(str, Enum):
     BLOCK_RATIO = "physical blocks per logical block != 1"
     HOST_STAGING = "host staging buffer"
     NOT_BLOCK_OUTERMOST = "KV cache layout is not block-outermost"
+    STATE_CACHES = "model has Mamba or CSA-linear state caches"
     WHOLE_ROW = "whole-row packing already applies"
     HOST_RESIDENT = "host-resident group"
     CACHE_SPEC = "cache spec is not replicated MLA"
@@ -104,6 +105,8 @@ class CoalescingContext:
             the only one whose pages of a block sit side by side.
         whole_row_packed: Whether the standard path already registers whole
             rows (one storage and stride for every cache).
+        state_caches: Whether the model has Mamba or CSA-linear state, whose
+            regions are split per state and never coalesced.
 
     """
 
@@ -114,6 +117,7 @@ class CoalescingContext:
     host_staging: bool = False
     block_outermost: bool = True
     whole_row_packed: bool = False
+    state_caches: bool = False
 
     def guard(self) -> Guard | None:
         """The first worker-wide guard that fails, or None."""
@@ -131,6 +135,8 @@ class CoalescingContext:
             return Guard.NOT_BLOCK_OUTERMOST
         if self.whole_row_packed:
             return Guard.WHOLE_ROW
+        if self.state_caches:
+            return Guard.STATE_CACHES
         return None
 
 
@@ -189,11 +195,13 @@ class CoalescingPlan:
         spans: Packed regions in address order.
         excluded: ``(layer name, guard)`` for each page left on the standard
             path, in input order.
+        worker_guard: The worker-wide guard that turned coalescing off.
 
     """
 
     spans: tuple[CoalescedSpan, ...] = ()
     excluded: tuple[tuple[str, Guard], ...] = ()
+    worker_guard: Guard | None = None
     _span_by_layer: Mapping[str, CoalescedSpan] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -204,6 +212,8 @@ class CoalescingPlan:
 
     def summary(self) -> str:
         """One readable line: spans made, and the guard that excluded each page."""
+        if self.worker_guard is not None:
+            return f"off ({self.worker_guard.value})"
         by_guard: dict[Guard, list[str]] = {}
         for name, guard in self.excluded:
             by_guard.setdefault(guard, []).append(name)
@@ -282,7 +292,10 @@ def plan_region_coalescing(
     """
     worker_guard = context.guard()
     if worker_guard is not None:
-        return CoalescingPlan(excluded=tuple((p.name, worker_guard) for p in pages))
+        return CoalescingPlan(
+            excluded=tuple((p.name, worker_guard) for p in pages),
+            worker_guard=worker_guard,
+        )
 
     guards: dict[str, Guard] = {}
     candidates: list[PageGeometry] = []
