@@ -479,8 +479,12 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> Result:
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
-        last = log.read_text(encoding="utf-8").strip().splitlines()[-1:]
-        res.note = last[0].split(":", 2)[-1].strip()[:48] if last else ""
+        text = log.read_text(encoding="utf-8")
+        ok = re.search(r"OK: (\d+) patch", text)
+        if "empty series" in text:
+            res.note = "empty series"
+        elif ok:
+            res.note = f"{ok.group(1)} patch(es) reproduce build/vllm"
     else:
         res = run_pytest(suite.name, suite.paths, suite.marker, suite.workers, log, env)
     if suite.stock is not None:
