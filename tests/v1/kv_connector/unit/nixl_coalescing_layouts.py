@@ -9,6 +9,7 @@ with only NIXL (optionally) and the distributed runtime faked.
 """
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from unittest.mock import MagicMock, patch
 
@@ -211,24 +212,25 @@ def make_worker(
     backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
     backend.get_name.return_value = "FLASHMLA"
     backend.full_cls_name.return_value = "fake.FLASHMLA"
-    patches = [
-        patch.object(bw.envs, "VLLM_NIXL_COALESCE_REGIONS", coalesce),
-        patch.object(bw, "get_tensor_model_parallel_rank", return_value=0),
-        patch.object(bw, "get_tensor_model_parallel_world_size", return_value=1),
-        patch.object(bw, "get_current_attn_backends", return_value=[backend]),
-        patch("threading.Thread"),
-    ]
-    if nixl_cls is not None:
-        patches.append(patch.object(bw, "NixlWrapper", nixl_cls))
-    for p in patches:
-        p.start()
-    try:
+    with ExitStack() as stack:
+        stack.enter_context(
+            patch.object(bw.envs, "VLLM_NIXL_COALESCE_REGIONS", coalesce)
+        )
+        stack.enter_context(
+            patch.object(bw, "get_tensor_model_parallel_rank", return_value=0)
+        )
+        stack.enter_context(
+            patch.object(bw, "get_tensor_model_parallel_world_size", return_value=1)
+        )
+        stack.enter_context(
+            patch.object(bw, "get_current_attn_backends", return_value=[backend])
+        )
+        stack.enter_context(patch("threading.Thread"))
+        if nixl_cls is not None:
+            stack.enter_context(patch.object(bw, "NixlWrapper", nixl_cls))
         worker = worker_cls(config, engine_id, layout.config)
         worker.use_mla = use_mla
         worker.register_kv_caches(layout.caches)
-    finally:
-        for p in reversed(patches):
-            p.stop()
     return worker
 
 
