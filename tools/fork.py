@@ -689,7 +689,10 @@ def cmd_save(_: argparse.Namespace) -> int:
             diff_rel = f"series/diffs/{index:04d}-{old.name}.diff"
             (ROOT / diff_rel).parent.mkdir(parents=True, exist_ok=True)
             (ROOT / diff_rel).write_text(text, encoding="utf-8")
-        new_patches.append(Patch(old.name, subject, body, sorted(added), diff_rel))
+        # Keep the manifest's file order; new files go last, sorted.
+        files = [f for f in old.files if f in added]
+        files += sorted(set(added) - set(files))
+        new_patches.append(Patch(old.name, subject, body, files, diff_rel))
         print(
             f"save: {patch_id(index, old)}: {len(added)} new file(s), "
             f"{len(other)} upstream file(s) changed"
