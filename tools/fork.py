@@ -189,7 +189,7 @@ def dump_manifest(manifest: Manifest) -> str:
         out.append(f"subject = {_toml_str(p.subject)}\n")
         out.append(f"body = {_toml_body(p.body)}\n")
         if p.files:
-            items = "".join(f"  {_toml_str(f)},\n" for f in p.files)
+            items = "".join(f"    {_toml_str(f)},\n" for f in p.files)
             out.append(f"files = [\n{items}]\n")
         else:
             out.append("files = []\n")
