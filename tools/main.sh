@@ -9,6 +9,9 @@ set -euo pipefail
 
 # Benchmark script, relative to the fork tree (build/vllm).
 BENCH=${BENCH:-benchmarks/kv_transfer/bench_nixl_descriptors.py}
+# Its results go under the repo's build/bench: build/vllm is reset (git clean)
+# by every `fork.py build`. Used only when no arguments are given.
+BENCH_DEFAULT_ARGS=(--out build/bench)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -24,10 +27,13 @@ bash tools/setup_env.sh
 "$VPY" tools/fork.py build
 
 if [[ -f $TREE/$BENCH ]]; then
-  echo "main: running $BENCH"
-  cd "$TREE"
+  if [[ $# == 0 ]]; then
+    set -- "${BENCH_DEFAULT_ARGS[@]}"
+    mkdir -p build/bench
+  fi
+  echo "main: running $BENCH $*"
   exec env HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
-    PYTHONPATH="$TREE" "$VPY" "$BENCH" "$@"
+    PYTHONPATH="$TREE" "$VPY" "$TREE/$BENCH" "$@"
 fi
 echo "main: no $BENCH in the fork yet; series summary:"
 exec "$VPY" tools/fork.py summary
