@@ -523,6 +523,8 @@ def print_table(results: list[Result]) -> None:
         print(fmt(row))
     print(rule)
     print(fmt(rows[-1]))
+    # The plain closing line CI runners read for the outcome.
+    print(f"\n{total.passed} passed, {total.failed} failed, {total.skipped} skipped")
 
 
 def select(suites: list[Suite], only: str | None, quick: bool) -> list[Suite]:
