@@ -37,19 +37,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TREE = ROOT / "build" / "vllm"
+from fork import BASE_TAG, ROOT, TREE, load_manifest
+from fork import CACHE_DIR as CACHE
+
 RESULTS = ROOT / "build" / "test-results"
-CACHE = ROOT / "build" / "cache"
-MANIFEST = ROOT / "series" / "manifest.toml"
 MYPY_BASELINE = ROOT / "tools" / "mypy_baseline.txt"
-BASE_TAG = "v0.33.0"
 PYTHON = sys.executable
 
 # pre-commit's global exclude in the upstream .pre-commit-config.yaml.
@@ -186,10 +183,9 @@ def touched_files() -> list[str]:
 
 def series_test_files() -> list[str]:
     """Test files added by the manifest's patches, relative to tests/."""
-    data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
     out: list[str] = []
-    for patch in data.get("patch", []):
-        for f in patch.get("files", []):
+    for patch in load_manifest().patches:
+        for f in patch.files:
             name = Path(f).name
             if (
                 f.startswith("tests/")
