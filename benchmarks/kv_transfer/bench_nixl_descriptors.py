@@ -1,30 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Descriptors per NIXL READ: stock regions versus coalesced regions.
+"""Descriptors per NIXL READ on the decoder's real read path: stock vs coalesced.
 
-Builds a GLM-5.3-like KV cache (78 MLA layers + 23 DSA indexer caches per
-block row, plus a draft model's MLA cache in its own storage) with the fork's
-own allocation and view code (``create_kv_cache_views``, BLHNC), runs the
-fork's real registration in two NIXL pull workers (prefill and decode) with
-real NIXL agents over UCX on host DRAM, handshakes them, and READs one
-fragmented request from prefill into decode, comparing in one run:
+Registration and handshake metadata are stock on both sides. After the
+handshake, a decoder with ``VLLM_NIXL_COALESCE_REGIONS=1`` looks for runs of
+its regions that are adjacent in the same order on both sides and reads each
+run as one descriptor per block (``region_coalescing``); only the decoder's
+value matters. This benchmark builds real pull workers with real NIXL agents
+over UCX on host DRAM, handshakes each decoder with a stock prefiller
+(``connect``) and pulls one request through the decoder's own
+``_read_blocks_for_req`` (``pull_request``), comparing in one run, per layout,
+a stock decoder (``coalesce=False``) with a coalescing one (``coalesce=True``):
 
-- ``stock``: ``VLLM_NIXL_COALESCE_REGIONS=0``, one region per layer page;
-- ``spans``: coalesced; indexer and MLA groups share the row, so each group
-  is a partial span (span length < row stride);
-- ``dense``: coalesced, indexer and MLA groups in their own storages, so each
-  span is a whole row (length == stride) and NIXL merges consecutive blocks;
-- ``dense+pool``: the same dense rows, with a block list as a contiguity-
-  seeking block pool would hand out (longer runs).
+- ``two-storage`` (SYNTHETIC layout): ``glm_like(draft=True)``, 78 MLA + 23
+  indexer pages in one storage and a draft MLA page in its own storage, a
+  layout vLLM 0.33.0's allocator never builds;
+- ``split-rows`` (SYNTHETIC layout): ``glm_like(split_groups=True,
+  draft=True)``, a storage per group, so every row is dense and NIXL merges
+  consecutive blocks of a run;
+- ``split-rows+pool``: the same dense rows read with a block-pool-like
+  (SYNTHETIC) block list with longer runs of consecutive blocks;
+- ``hisparse``: a HiSparse decoder (``hisparse-glm53/BLHNC``) reading from a
+  BLHNC prefiller (``glm53/BLHNC``), both planned and allocated by vLLM's own
+  planner and allocator (``nixl_layout_zoo``).
 
-Every READ is verified byte for byte. Page sizes default to GLM-5.3's fp8
-pages scaled down 64x (rounded to the block size) so prefill and decode fit in
-a few GiB of host memory; every size is a flag.
+Each decoder's first READ is reported on its own (cold: first transfer of a
+freshly handshaken agent), then warm READs of the stock and coalesced decoders
+are interleaved. Every READ is verified byte for byte: the decoder's rows of
+the request equal the prefiller's, and (``--scan``) every other decoder byte
+is still zero. Page sizes of the synthetic layouts default to GLM-5.3's fp8
+pages scaled down 64x; the HiSparse pair uses the zoo's real model specs
+scaled down 4x (its smallest scale), with a smaller request to match.
 
 Run from the repository root, e.g.::
 
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=. \\
         python benchmarks/kv_transfer/bench_nixl_descriptors.py --out build/bench
+
+``--quick`` runs every group and decoder with small pools and requests (a
+smoke test; most of its time is importing vLLM and building NIXL agents).
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,6 +65,11 @@ GLM_MLA_PAGE = 41_984
 GLM_INDEXER_PAGE = 8_448
 BLOCK_SIZE = 64
 SCALE = 64
+# The zoo's layouts, and its module relative to the repository root.
+ZOO_DECODER = "hisparse-glm53/BLHNC"
+ZOO_PREFILLER = "glm53/BLHNC"
+ZOO_MODULE = Path("tests/v1/kv_connector/unit/nixl_layout_zoo.py")
+DECODERS = (("stock", False), ("coalesced", True))
 OPT_125M_CONFIG = {
     "architectures": ["OPTForCausalLM"],
     "model_type": "opt",
@@ -68,6 +87,14 @@ OPT_125M_CONFIG = {
     "bos_token_id": 2,
     "eos_token_id": 2,
 }
+# The small preset: every layout and decoder, small pools and requests.
+QUICK = {
+    "num_blocks": 1_024,
+    "request_blocks": 256,
+    "hisparse_blocks": 128,
+    "hisparse_request_blocks": 64,
+    "reps": 2,
+}
 
 
 def _scaled_page(size: int) -> int:
@@ -76,98 +103,318 @@ def _scaled_page(size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Variant:
-    """One registration/block-list combination to measure.
+class Group:
+    """One layout + block list, read by a stock and a coalescing decoder.
 
     Attributes:
-        name: Short name used in the table, JSON and plot.
-        coalesce: ``VLLM_NIXL_COALESCE_REGIONS`` for both workers.
-        split_groups: Give each transfer group its own storage (dense rows).
-        block_list: Key of the block list it reads (``churned`` or ``pool``).
-        description: One line for the table legend.
+        key: Short name used on the command line, in the JSON and the plot.
+        label: Layout label for the table.
+        layout: Key of the layout the group reads (groups may share one).
+        block_list: Key of the block list it reads.
+        synthetic_layout: The layout is hand-built, not what vLLM builds.
+        description: One line for the legend.
 
     """
 
-    name: str
-    coalesce: bool
-    split_groups: bool
+    key: str
+    label: str
+    layout: str
     block_list: str
+    synthetic_layout: bool
     description: str
 
 
-VARIANTS = (
-    Variant(
-        "stock",
-        False,
-        False,
+GROUPS = (
+    Group(
+        "two-storage",
+        "two-storage (SYNTHETIC)",
+        "two-storage",
         "churned",
-        "coalescing off: one region per layer page (upstream 0.33.0)",
-    ),
-    Variant(
-        "spans",
         True,
-        False,
+        "glm_like(draft=True): MLA + indexer pages share one storage, a draft "
+        "MLA page in its own storage (never built by vLLM 0.33.0's allocator)",
+    ),
+    Group(
+        "split-rows",
+        "split rows (SYNTHETIC)",
+        "split-rows",
         "churned",
-        "coalesced spans: indexer + MLA groups share the row (len < stride)",
+        True,
+        "glm_like(split_groups=True, draft=True): a storage per group, dense "
+        "rows, so NIXL merges consecutive blocks",
     ),
-    Variant(
-        "dense",
-        True,
-        True,
-        "churned",
-        "dense rows: one storage per group (len == stride), NIXL merges runs",
-    ),
-    Variant(
-        "dense+pool",
-        True,
-        True,
+    Group(
+        "split-rows+pool",
+        "split rows (SYNTHETIC)",
+        "split-rows",
         "pool",
-        "dense rows + block-pool policy: same rows, longer block runs",
+        True,
+        "the same dense rows, read with the block-pool-like list (longer runs; "
+        "a SYNTHETIC block list unless --block-lists)",
+    ),
+    Group(
+        "hisparse",
+        "HiSparse decoder <- BLHNC prefiller",
+        "hisparse",
+        "hisparse",
+        False,
+        f"zoo (vLLM's planner + allocator): {ZOO_DECODER} decoder reading "
+        f"from a {ZOO_PREFILLER} prefiller",
     ),
 )
 
 
 @dataclass
 class BlockList:
-    """A request's block ids and how they were made."""
+    """A request's block ids on both sides and how they were made.
+
+    Attributes:
+        name: Key of the list.
+        remote_ids: Prefiller block ids, in request order.
+        local_ids: Decoder block ids, same order and length.
+        num_blocks: Blocks in the pool the ids index.
+        runs: Runs of consecutive remote ids.
+        paired_runs: Runs consecutive on both sides (what NIXL can merge).
+        source: How the list was made.
+        synthetic: Seeded stand-in, not captured from a real block pool.
+
+    """
 
     name: str
-    block_ids: list[int]
+    remote_ids: list[int]
+    local_ids: list[int]
+    num_blocks: int
     runs: int
+    paired_runs: int
     source: str
+    synthetic: bool = True
 
     @property
     def mean_run(self) -> float:
-        return len(self.block_ids) / max(self.runs, 1)
+        return len(self.remote_ids) / max(self.runs, 1)
 
 
 @dataclass
 class Measurement:
-    """Everything measured for one variant."""
+    """Everything measured for one decoder of one group."""
 
-    variant: str
-    description: str
+    group: str
+    layout: str
+    synthetic_layout: bool
     block_list: str
-    regions: int = 0
-    pool_descriptors: int = 0
-    desc_ids_per_transfer: int = 0
-    descriptors_per_transfer: list[int] = field(default_factory=list)
-    prep_s: list[float] = field(default_factory=list)
-    post_s: list[float] = field(default_factory=list)
-    done_s: list[float] = field(default_factory=list)
+    synthetic_block_list: bool
+    decoder: str
+    coalesce: bool
+    request_blocks: int = 0
+    regions_registered: int = 0
+    regions_read: int = 0
+    coalesce_summary: str = ""
+    reads_per_request: int = 0
+    descriptors: list[int] = field(default_factory=list)
+    cold_done_s: float = float("nan")
+    warm_done_s: list[float] = field(default_factory=list)
     register_s: float = 0.0
-    bytes_per_transfer: int = 0
+    handshake_s: float = 0.0
+    bytes_per_read: int = 0
     bytes_verified: bool = True
     verify_notes: list[str] = field(default_factory=list)
 
-    def median(self, key: str) -> float:
-        return statistics.median(getattr(self, key))
+    @property
+    def name(self) -> str:
+        return f"{self.group}/{self.decoder}"
+
+    @property
+    def cold_descriptors(self) -> int:
+        return self.descriptors[0] if self.descriptors else 0
+
+    @property
+    def warm_descriptors(self) -> float:
+        warm = self.descriptors[1:] or self.descriptors
+        return float(statistics.median(warm)) if warm else 0.0
+
+    @property
+    def warm_median_s(self) -> float:
+        return float(np.median(self.warm_done_s)) if self.warm_done_s else float("nan")
+
+    @property
+    def warm_p95_s(self) -> float:
+        if not self.warm_done_s:
+            return float("nan")
+        return float(np.percentile(self.warm_done_s, 95))
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("descriptors_per_transfer", "prep_s", "post_s", "done_s"):
-            out[f"{key}_median"] = self.median(key)
+        out |= {
+            "name": self.name,
+            "cold_descriptors": self.cold_descriptors,
+            "descriptors_per_read": self.warm_descriptors,
+            "warm_done_s_median": self.warm_median_s,
+            "warm_done_s_p95": self.warm_p95_s,
+        }
         return out
+
+
+class LayoutPair(Protocol):
+    """A prefiller layout and worker, and how to build and check decoders."""
+
+    prefill: Any
+    prefill_layout: Any
+
+    def new_decode_layout(self) -> Any: ...
+
+    def make_worker(self, layout: Any, engine_id: str, coalesce: bool) -> Any: ...
+
+    def verify(
+        self,
+        decode_layout: Any,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        scan: bool,
+    ) -> tuple[bool, int]: ...
+
+    def untouched(self, decode_layout: Any) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class SyntheticPair:
+    """``glm_like`` storages built with ``build_layout`` (``BuiltLayout``)."""
+
+    def __init__(self, storages: Sequence[Any], num_blocks: int, seed: int) -> None:
+        from tests.v1.kv_connector.unit.nixl_coalescing_layouts import build_layout
+        from tests.v1.kv_connector.unit.nixl_real_transfer import fill_pattern
+
+        self._storages = list(storages)
+        self._num_blocks = num_blocks
+        self.row_bytes = sum(s.stride for s in storages)
+        self.prefill_layout = build_layout(storages, num_blocks)
+        fill_pattern(self.prefill_layout, seed=seed)
+        self.prefill: Any = None
+
+    def new_decode_layout(self) -> Any:
+        from tests.v1.kv_connector.unit.nixl_coalescing_layouts import build_layout
+
+        # torch.zeros writes every page: the decoder's memory is resident.
+        return build_layout(self._storages, self._num_blocks)
+
+    def make_worker(self, layout: Any, engine_id: str, coalesce: bool) -> Any:
+        from tests.v1.kv_connector.unit.nixl_coalescing_layouts import make_worker
+
+        return make_worker(layout, coalesce=coalesce, engine_id=engine_id)
+
+    def verify(
+        self,
+        decode_layout: Any,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        scan: bool,
+    ) -> tuple[bool, int]:
+        from tests.v1.kv_connector.unit.nixl_real_transfer import verify_and_reset
+
+        return verify_and_reset(
+            decode_layout,
+            self.prefill_layout,
+            local_ids,
+            remote_ids,
+            scan_untouched=scan,
+        )
+
+    def untouched(self, decode_layout: Any) -> bool:
+        return _all_zero(decode_layout.raws)
+
+    def describe(self) -> str:
+        return f"{self.row_bytes:,} B per block row over all storages"
+
+
+class ZooPair:
+    """A zoo decoder layout reading from a zoo prefiller layout."""
+
+    def __init__(
+        self,
+        zoo: Any,
+        decoder: str,
+        prefiller: str,
+        *,
+        num_blocks: int,
+        num_layers: int,
+        scale: int,
+        seed: int,
+    ) -> None:
+        self._zoo = zoo
+        self._decoder = decoder
+        self._kwargs = dict(num_blocks=num_blocks, num_layers=num_layers, scale=scale)
+        self.prefill_layout = zoo.build_zoo_layout(prefiller, **self._kwargs)
+        zoo.fill_pattern(self.prefill_layout, seed=seed)
+        self.prefill: Any = None
+
+    def new_decode_layout(self) -> Any:
+        layout = self._zoo.build_zoo_layout(self._decoder, **self._kwargs)
+        # The allocator may hand out uninitialised memory; zeroing also makes
+        # every page resident before the first (cold) READ.
+        self._zoo.zero(layout)
+        return layout
+
+    def make_worker(self, layout: Any, engine_id: str, coalesce: bool) -> Any:
+        return self._zoo.make_zoo_worker(layout, engine_id=engine_id, coalesce=coalesce)
+
+    def verify(
+        self,
+        decode_layout: Any,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        scan: bool,
+    ) -> tuple[bool, int]:
+        """Per-layer views: decoder ``[d]`` equals prefiller ``[p]``, then zero.
+
+        Compared run by run on views (no gather copies). Decoder caches the
+        prefiller does not have (HiSparse resident/hot buffers) are not
+        transferred; with ``scan`` every decoder byte must be zero again once
+        the transferred rows are zeroed.
+        """
+        runs = run_slices(local_ids, remote_ids)
+        remote_caches = self.prefill_layout.kv_caches
+        ok, compared = True, 0
+        for name, view in decode_layout.kv_caches.items():
+            want_view = remote_caches.get(name)
+            if want_view is None:
+                continue
+            for local, remote, length in runs:
+                got = view[local : local + length]
+                want = want_view[remote : remote + length]
+                ok &= got.shape == want.shape and _same_bytes(got, want)
+                compared += got.numel() * got.element_size()
+                got.zero_()
+        if scan:
+            ok &= self.untouched(decode_layout)
+        return ok, compared
+
+    def untouched(self, decode_layout: Any) -> bool:
+        return _all_zero(decode_layout.raws)
+
+    def describe(self) -> str:
+        row = self._zoo.row_bytes(self.prefill_layout)
+        return f"prefiller row {row:,} B per block"
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Exact byte equality of two tensors (NaN patterns included)."""
+    import torch
+
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _all_zero(raws: Sequence[Any]) -> bool:
+    """Whether every byte of the given flat int8 allocations is zero."""
+    import torch
+
+    for raw in raws:
+        if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0:
+            raw = raw.view(torch.int64)
+        if bool(torch.count_nonzero(raw)):
+            return False
+    return True
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -175,7 +422,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    layout = parser.add_argument_group("layout (GLM-5.3-like, scaled)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small preset (every layout and decoder, small pools and requests): "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()),
+    )
+    layout = parser.add_argument_group("synthetic layouts (GLM-5.3-like, scaled)")
     layout.add_argument("--num-mla", type=int, default=78, help="MLA layers")
     layout.add_argument("--num-indexer", type=int, default=23, help="DSA indexers")
     layout.add_argument(
@@ -190,20 +443,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=_scaled_page(GLM_INDEXER_PAGE),
         help=f"indexer page bytes per block (GLM-5.3: {GLM_INDEXER_PAGE:,})",
     )
-    layout.add_argument(
-        "--no-draft",
-        dest="draft",
-        action="store_false",
-        help="drop the draft MLA cache in its own storage (then stock already "
-        "packs the single storage's whole row)",
+    layout.add_argument("--num-blocks", type=int, default=8_192, help="pool blocks")
+    zoo = parser.add_argument_group("HiSparse pair (nixl_layout_zoo, real planner)")
+    zoo.add_argument(
+        "--hisparse-layers",
+        type=int,
+        default=78,
+        help="decoder layers (78: GLM-5.3, 23 of them with a DSA indexer)",
     )
-    layout.add_argument("--num-blocks", type=int, default=32_768, help="pool blocks")
+    zoo.add_argument(
+        "--hisparse-scale",
+        type=int,
+        default=4,
+        choices=(1, 2, 4),
+        help="divide the real page bytes by this",
+    )
+    zoo.add_argument(
+        "--hisparse-blocks", type=int, default=512, help="device and host pool blocks"
+    )
+    zoo.add_argument(
+        "--hisparse-request-blocks",
+        type=int,
+        default=256,
+        help="blocks READ per transfer (pages are 16x the synthetic ones)",
+    )
     request = parser.add_argument_group("request block lists (seeded)")
     request.add_argument(
         "--request-blocks",
         type=int,
         default=1_563,
-        help="blocks READ per transfer (1,563 = a 100k-token request at block size 64)",
+        help="blocks READ per transfer on the synthetic layouts (1,563 = a "
+        "100k-token request at block size 64)",
     )
     request.add_argument(
         "--mean-run",
@@ -217,29 +487,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=25.0,
         help="mean run with the contiguity-seeking block-pool policy",
     )
+    request.add_argument(
+        "--local-shift",
+        type=int,
+        default=None,
+        help="decoder block id = (prefiller block id + shift) mod pool blocks; "
+        "default half the pool (0: same ids on both sides)",
+    )
     request.add_argument("--seed", type=int, default=0, help="block-list seed")
     request.add_argument(
         "--block-lists",
         type=Path,
         default=None,
-        help="JSON file with the two block lists instead of the synthetic ones: "
-        '{"churned": [ids...], "pool": [ids...], "source": "how they were made"} '
-        "(e.g. captured from a block-pool replay under each allocation policy)",
+        help="JSON file with the synthetic layouts' two block lists instead of "
+        'the seeded ones: {"churned": [ids...], "pool": [ids...], "source": '
+        '"how they were made"} (e.g. captured from a block-pool replay)',
     )
     run = parser.add_argument_group("run")
-    run.add_argument("--reps", type=int, default=5, help="READs per variant")
+    run.add_argument("--reps", type=int, default=5, help="warm READs per decoder")
     run.add_argument(
-        "--variants",
-        default=",".join(v.name for v in VARIANTS),
-        help="comma-separated subset of: " + ", ".join(v.name for v in VARIANTS),
+        "--groups",
+        default=",".join(g.key for g in GROUPS),
+        help="comma-separated subset of: " + ", ".join(g.key for g in GROUPS),
     )
     run.add_argument(
         "--scan",
         choices=("first", "every", "none"),
         default="first",
-        help="scan the whole decode side for stray bytes after the first READ "
-        "of each variant (and once at the end of each layout), after every "
-        "READ, or never; the READ's own rows are always compared",
+        help="scan the whole decoder side for stray bytes after each decoder's "
+        "first READ (and once at the end of each group), after every READ, or "
+        "never; the READ's own rows are always compared",
     )
     run.add_argument(
         "--out",
@@ -255,14 +532,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    names = [name.strip() for name in args.variants.split(",") if name.strip()]
-    known = {v.name: v for v in VARIANTS}
+    if args.quick:
+        given = sys.argv[1:] if argv is None else argv
+        explicit = {a.split("=")[0] for a in given if a.startswith("--")}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in explicit:
+                setattr(args, key, value)
+    names = [name.strip() for name in args.groups.split(",") if name.strip()]
+    known = {g.key: g for g in GROUPS}
     unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {sorted(known)}")
-    args.variants = [known[name] for name in names]
+        parser.error(f"unknown groups {unknown}; choose from {sorted(known)}")
+    args.groups = [g for g in GROUPS if g.key in names]
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     if args.request_blocks > args.num_blocks:
         parser.error("--request-blocks cannot exceed --num-blocks")
+    if args.hisparse_request_blocks > args.hisparse_blocks:
+        parser.error("--hisparse-request-blocks cannot exceed --hisparse-blocks")
     for flag in ("mla_page", "indexer_page"):
         if getattr(args, flag) % BLOCK_SIZE:
             parser.error(f"--{flag.replace('_', '-')} must be a multiple of 64")
@@ -310,9 +597,60 @@ def fragmented_block_ids(
     return ids
 
 
-def make_block_lists(args: argparse.Namespace, count_runs: Callable) -> dict:
-    """The churned and block-pool-policy block lists (file, or seeded synthetic)."""
-    lists = {}
+def run_slices(
+    local_ids: Sequence[int], remote_ids: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """``(local_start, remote_start, length)`` of runs consecutive on both sides."""
+    local = np.asarray(local_ids, dtype=np.int64)
+    remote = np.asarray(remote_ids, dtype=np.int64)
+    if local.size == 0:
+        return []
+    breaks: np.ndarray = (
+        np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
+    )
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [local.size]])
+    return [(int(local[a]), int(remote[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def paired_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> int:
+    """Runs of blocks consecutive on both sides (what NIXL merges in dense rows)."""
+    local = np.asarray(local_ids, dtype=np.int64)
+    remote = np.asarray(remote_ids, dtype=np.int64)
+    if local.size == 0:
+        return 0
+    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
+    return int(np.count_nonzero(breaks)) + 1
+
+
+def _block_list(
+    name: str,
+    remote_ids: list[int],
+    num_blocks: int,
+    shift: int | None,
+    source: str,
+    synthetic: bool,
+    count_runs: Callable[[Sequence[int]], int],
+) -> BlockList:
+    shift = num_blocks // 2 if shift is None else shift
+    local_ids = [(block + shift) % num_blocks for block in remote_ids]
+    return BlockList(
+        name,
+        remote_ids,
+        local_ids,
+        num_blocks,
+        count_runs(remote_ids),
+        paired_runs(local_ids, remote_ids),
+        source + (f"; decoder ids shifted by {shift}" if shift else ""),
+        synthetic,
+    )
+
+
+def make_block_lists(
+    args: argparse.Namespace, count_runs: Callable[[Sequence[int]], int]
+) -> dict[str, BlockList]:
+    """The churned, block-pool-policy and HiSparse block lists."""
+    lists: dict[str, BlockList] = {}
     if args.block_lists is not None:
         loaded = json.loads(args.block_lists.read_text())
         source = str(loaded.get("source", args.block_lists))
@@ -320,18 +658,29 @@ def make_block_lists(args: argparse.Namespace, count_runs: Callable) -> dict:
             ids = [int(i) for i in loaded[name]]
             if len(set(ids)) != len(ids) or max(ids) >= args.num_blocks:
                 raise SystemExit(f"{args.block_lists}: bad '{name}' block list")
-            lists[name] = BlockList(name, ids, count_runs(ids), source)
-        return lists
-    for name, mean_run, seed in (
-        ("churned", args.mean_run, args.seed),
-        ("pool", args.pool_mean_run, args.seed + 1),
-    ):
-        ids = fragmented_block_ids(args.num_blocks, args.request_blocks, mean_run, seed)
-        lists[name] = BlockList(
+            lists[name] = _block_list(
+                name, ids, args.num_blocks, args.local_shift, source, False, count_runs
+            )
+    specs = [
+        ("hisparse", args.hisparse_blocks, args.hisparse_request_blocks, args.mean_run)
+    ]
+    if not lists:
+        specs = [
+            ("churned", args.num_blocks, args.request_blocks, args.mean_run),
+            ("pool", args.num_blocks, args.request_blocks, args.pool_mean_run),
+            *specs,
+        ]
+    for offset, (name, num_blocks, num_ids, mean_run) in enumerate(specs):
+        seed = args.seed + offset
+        ids = fragmented_block_ids(num_blocks, num_ids, mean_run, seed)
+        lists[name] = _block_list(
             name,
             ids,
-            count_runs(ids),
-            f"synthetic: geometric run lengths, mean {mean_run:g}, seed {seed}",
+            num_blocks,
+            args.local_shift,
+            f"SYNTHETIC: geometric run lengths, mean {mean_run:g}, seed {seed}",
+            True,
+            count_runs,
         )
     return lists
 
@@ -346,6 +695,8 @@ def _ensure_env() -> None:
     ``sys.path`` for the ``tests`` helpers; an installed vLLM still wins.
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # NIXL logs every agent it creates to stdout, between the report's lines.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if "HF_HOME" not in os.environ:
         home = REPO_ROOT / "build" / "hf"
         snapshot = home / "hub" / "models--facebook--opt-125m"
@@ -364,111 +715,209 @@ def _ensure_env() -> None:
         sys.path.append(str(REPO_ROOT))
 
 
-def _fmt_count(value: float) -> str:
-    return f"{value:,.0f}"
+def _load_zoo() -> tuple[Any, str | None]:
+    """The layout zoo module, or why it cannot be used."""
+    if not (REPO_ROOT / ZOO_MODULE).exists():
+        return None, f"{ZOO_MODULE} is not in this tree"
+    try:
+        from tests.v1.kv_connector.unit import nixl_layout_zoo as zoo
+    except Exception as e:  # noqa: BLE001 - report and skip the group
+        return None, f"importing {ZOO_MODULE} failed: {e!r}"
+    missing = [
+        name
+        for name in ("build_zoo_layout", "make_zoo_worker", "fill_pattern", "zero")
+        if not hasattr(zoo, name)
+    ]
+    if missing:
+        return None, f"{ZOO_MODULE} lacks {missing}"
+    absent = {ZOO_DECODER, ZOO_PREFILLER} - set(getattr(zoo, "ZOO", ()))
+    if absent:
+        return None, f"{ZOO_MODULE} has no layout {sorted(absent)}"
+    return zoo, None
 
 
 def _fmt_ms(value: float) -> str:
-    return f"{value * 1e3:,.2f}"
+    return "n/a" if value != value else f"{value * 1e3:,.1f}"
 
 
 def _ratio(value: float, base: float) -> str:
-    return f"{value / base:.4f}x" if base else "n/a"
+    return f"{value / base:.3f}x" if base and base == base and value == value else "-"
 
 
-def render_table(results: list[Measurement], stock: Measurement | None) -> str:
-    """The comparison as a fixed-width text table (medians over reps)."""
+def _baselines(results: Sequence[Measurement]) -> dict[str, Measurement]:
+    return {m.group: m for m in results if m.decoder == "stock"}
+
+
+def render_table(results: Sequence[Measurement], groups: Sequence[Group]) -> str:
+    """The comparison as a fixed-width text table, ratios vs the group's stock."""
     head = (
-        "variant",
+        "layout",
+        "block list",
+        "decoder",
+        "blocks",
         "regions",
-        "pool descs",
-        "descs/xfer",
-        "prep ms",
-        "post ms",
-        "done ms",
+        "read as",
+        "descs/READ",
+        "cold ms",
+        "warm med",
+        "warm p95",
         "bytes ok",
+        "descs/stock",
+        "warm/stock",
+        "cold/stock",
     )
+    labels = {g.key: g for g in groups}
+    stock = _baselines(results)
     rows = [head]
+    previous = None
     for m in results:
+        base = stock.get(m.group)
+        first = m.group != previous
+        previous = m.group
+        block_list = m.block_list + ("*" if m.synthetic_block_list else "")
         rows.append(
             (
-                m.variant,
-                str(m.regions),
-                _fmt_count(m.pool_descriptors),
-                _fmt_count(m.median("descriptors_per_transfer")),
-                _fmt_ms(m.median("prep_s")),
-                _fmt_ms(m.median("post_s")),
-                _fmt_ms(m.median("done_s")),
+                labels[m.group].label if first else "",
+                block_list if first else "",
+                m.decoder,
+                f"{m.request_blocks:,}",
+                str(m.regions_registered),
+                str(m.regions_read),
+                f"{m.warm_descriptors:,.0f}",
+                _fmt_ms(m.cold_done_s),
+                _fmt_ms(m.warm_median_s),
+                _fmt_ms(m.warm_p95_s),
                 "yes" if m.bytes_verified else "NO",
+                "-"
+                if base is None
+                else _ratio(m.warm_descriptors, base.warm_descriptors),
+                "-" if base is None else _ratio(m.warm_median_s, base.warm_median_s),
+                "-" if base is None else _ratio(m.cold_done_s, base.cold_done_s),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    left = {0, 1, 2, 10}
     lines = [
         "  ".join(
-            cell.rjust(w) if i else cell.ljust(w)
+            cell.ljust(w) if i in left else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths))
-        )
+        ).rstrip()
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if stock is not None:
-        lines += ["", "vs stock (same run):"]
-        for m in results:
-            if m is stock:
-                continue
-            pool_cut = 1 - m.pool_descriptors / stock.pool_descriptors
-            lines.append(
-                f"  {m.variant:<11} pool descs {pool_cut:.2%} fewer"
-                f" | descs/xfer "
-                f"{_ratio(m.median('descriptors_per_transfer'), stock.median('descriptors_per_transfer'))}"  # noqa: E501
-                f" | prep {_ratio(m.median('prep_s'), stock.median('prep_s'))}"
-                f" | post {_ratio(m.median('post_s'), stock.median('post_s'))}"
-                f" | done {_ratio(m.median('done_s'), stock.median('done_s'))}"
-            )
     return "\n".join(lines)
 
 
-def write_plot(results: list[Measurement], path: Path, title: str) -> None:
-    """Descriptors and times per variant as a PNG (matplotlib, Agg)."""
+def write_plot(results: Sequence[Measurement], path: Path, title: str) -> None:
+    """Descriptors, done times and ratios per decoder as a PNG (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [m.variant for m in results]
+    names = ["\n".join([*m.group.split("+"), m.decoder]) for m in results]
+    colors = ["tab:gray" if not m.coalesce else "tab:blue" for m in results]
     x = np.arange(len(results))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
     ax = axes[0]
-    ax.bar(x - 0.2, [m.pool_descriptors for m in results], 0.4, label="pool (prepped)")
+    ax.bar(x, [m.warm_descriptors for m in results], 0.6, color=colors)
+    ax.set_yscale("log")
+    ax.set_title("NIXL descriptors per READ (telemetry)")
+    ax = axes[1]
+    med = np.array([m.warm_median_s for m in results]) * 1e3
+    p95 = np.array([m.warm_p95_s for m in results]) * 1e3
+    low = np.array([min(m.warm_done_s) for m in results]) * 1e3
     ax.bar(
-        x + 0.2,
-        [m.median("descriptors_per_transfer") for m in results],
-        0.4,
-        label="per transfer (posted)",
+        x,
+        med,
+        0.6,
+        color=colors,
+        yerr=[med - low, p95 - med],
+        capsize=4,
+        label="warm median (min..p95)",
+    )
+    ax.scatter(
+        x,
+        [m.cold_done_s * 1e3 for m in results],
+        marker="x",
+        color="tab:red",
+        zorder=3,
+        label="cold (first READ)",
     )
     ax.set_yscale("log")
-    ax.set_title("NIXL descriptors")
-    ax.legend()
-    for ax, key, label in (
-        (axes[1], "done_s", "READ until DONE (ms)"),
-        (axes[2], "post_s", "post, transfer() (ms)"),
+    ax.set_title("READ until DONE (ms)")
+    ax.legend(fontsize=8)
+    for ax in axes[:2]:
+        ax.set_xticks(x, names, fontsize=7)
+    ax = axes[2]
+    stock = _baselines(results)
+    coalesced = [m for m in results if m.coalesce and m.group in stock]
+    cx = np.arange(len(coalesced))
+    for offset, label, ratio in (
+        (
+            -0.2,
+            "descriptors",
+            [m.warm_descriptors / stock[m.group].warm_descriptors for m in coalesced],
+        ),
+        (
+            0.2,
+            "warm done",
+            [m.warm_median_s / stock[m.group].warm_median_s for m in coalesced],
+        ),
     ):
-        values = [np.asarray(getattr(m, key)) * 1e3 for m in results]
-        med = [float(np.median(v)) for v in values]
-        err = [
-            [m - float(v.min()) for m, v in zip(med, values)],
-            [float(v.max()) - m for m, v in zip(med, values)],
-        ]
-        ax.bar(x, med, 0.6, yerr=err, capsize=4, color="tab:green")
-        ax.set_title(label + ", median, min-max")
-        ax.set_yscale("log")
+        ax.bar(cx + offset, ratio, 0.4, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(cx, [m.group.replace("+", "\n+") for m in coalesced], fontsize=7)
+    ax.set_title("coalesced / stock (same run)")
+    ax.legend(fontsize=8)
     for ax in axes:
-        ax.set_xticks(x, names)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def read_once(
+    pair: LayoutPair,
+    m: Measurement,
+    decode: Any,
+    decode_layout: Any,
+    bl: BlockList,
+    scan: bool,
+) -> float:
+    """Pull the request through the decoder's read path once, verify, record.
+
+    Returns:
+        Seconds from the call until every READ of the request was DONE.
+
+    """
+    from tests.v1.kv_connector.unit.nixl_real_transfer import pull_request
+
+    groups = len(decode.kv_cache_config.transfer_groups)
+    result = pull_request(
+        decode, pair.prefill, [bl.local_ids] * groups, [bl.remote_ids] * groups
+    )
+    # Nobody consumes the prefiller's READ notifications here; drop them.
+    pair.prefill.nixl_wrapper.get_new_notifs()
+    ok, checked = pair.verify(decode_layout, bl.local_ids, bl.remote_ids, scan)
+    ok &= checked == result.total_bytes
+    if result.coalesced != m.coalesce:
+        ok = False
+        m.verify_notes.append(
+            f"READ {len(m.descriptors)}: coalesced reads "
+            + ("missing" if m.coalesce else "present on a stock decoder")
+        )
+    if not ok:
+        m.verify_notes.append(
+            f"READ {len(m.descriptors)}: bytes differ "
+            f"(checked {checked:,} of {result.total_bytes:,})"
+        )
+    m.bytes_verified &= ok
+    m.descriptors.append(result.descriptors)
+    m.reads_per_request = result.reads
+    m.bytes_per_read = result.total_bytes
+    return result.done_s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -489,18 +938,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # small (or busy) machine. NIXL's own threads are not affected.
     torch.set_num_threads(args.torch_threads)
 
-    from tests.v1.kv_connector.unit.nixl_coalescing_layouts import (
-        build_layout,
-        glm_like,
-        handshake,
-        make_worker,
-    )
+    from tests.v1.kv_connector.unit.nixl_coalescing_layouts import glm_like
     from tests.v1.kv_connector.unit.nixl_real_transfer import (
+        connect,
         count_runs,
-        fill_pattern,
         probe_real_nixl,
-        read_blocks,
-        untouched,
     )
 
     reason = probe_real_nixl()
@@ -508,13 +950,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"real NIXL over UCX is unavailable here: {reason}", file=sys.stderr)
         return 2
 
+    skipped: dict[str, str] = {}
+    zoo = None
+    if any(g.layout == "hisparse" for g in args.groups):
+        zoo, why = _load_zoo()
+        if zoo is None:
+            # TODO: the HiSparse group needs nixl_layout_zoo.py (build_zoo_layout,
+            # make_zoo_worker); it is skipped, and said so, until then.
+            skipped["hisparse"] = str(why)
+            print(f"skipping group 'hisparse': {why}", file=sys.stderr)
+            args.groups = [g for g in args.groups if g.layout != "hisparse"]
+    if not args.groups:
+        print("nothing to run", file=sys.stderr)
+        return 2
+
     block_lists = make_block_lists(args, count_runs)
-    layouts_needed = sorted({v.split_groups for v in args.variants})
-    steps = (
-        len(layouts_needed) * 2  # build + fill
-        + 2 * len(args.variants)  # P and D registration
-        + args.reps * len(args.variants)
-    )
+    layouts = list(dict.fromkeys(g.layout for g in args.groups))
+    reads_per_decoder = 1 + args.reps
+    steps = len(layouts) + len(args.groups) * (len(DECODERS) * (1 + reads_per_decoder))
     bar = (
         tqdm(total=steps, desc="bench", unit="step", file=sys.stderr)
         if tqdm is not None and not args.no_progress
@@ -525,170 +978,201 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bar is not None:
             bar.set_postfix_str(message)
         else:
-            print(message, file=sys.stderr, flush=True)
+            elapsed = time.perf_counter() - started
+            print(f"[{elapsed:6.1f} s] {message}", file=sys.stderr, flush=True)
 
     def step() -> None:
         if bar is not None:
             bar.update()
 
-    results: dict[str, Measurement] = {}
-    row_bytes = 0
-    for split in layouts_needed:
-        variants = [v for v in args.variants if v.split_groups == split]
-        storages = glm_like(
-            args.num_mla,
-            args.num_indexer,
-            mla_page=args.mla_page,
-            indexer_page=args.indexer_page,
-            draft=args.draft,
-            split_groups=split,
-        )
-        note("allocating " + ("dense rows" if split else "shared rows"))
-        prefill_layout = build_layout(storages, args.num_blocks)
-        decode_layout = build_layout(storages, args.num_blocks)
-        row_bytes = sum(s.stride for s in storages)
+    results: list[Measurement] = []
+    layout_notes: dict[str, str] = {}
+    for layout_key in layouts:
+        note(f"building {layout_key}")
+        pair: LayoutPair
+        if layout_key == "hisparse":
+            pair = ZooPair(
+                zoo,
+                ZOO_DECODER,
+                ZOO_PREFILLER,
+                num_blocks=args.hisparse_blocks,
+                num_layers=args.hisparse_layers,
+                scale=args.hisparse_scale,
+                seed=args.seed,
+            )
+        else:
+            pair = SyntheticPair(
+                glm_like(
+                    args.num_mla,
+                    args.num_indexer,
+                    mla_page=args.mla_page,
+                    indexer_page=args.indexer_page,
+                    draft=True,
+                    split_groups=layout_key == "split-rows",
+                ),
+                args.num_blocks,
+                args.seed,
+            )
+        layout_notes[layout_key] = pair.describe()
+        prefill_id = f"prefill-{layout_key}"
+        pair.prefill = pair.make_worker(pair.prefill_layout, prefill_id, False)
         step()
-        note("filling the prefill side")
-        fill_pattern(prefill_layout, seed=args.seed)
-        step()
+        # One decoder layout per decoder kind, reused (all zero) across the
+        # groups of this layout; every group gets fresh decoder workers, so
+        # each decoder's first READ is its agent's first.
+        decode_layouts = {name: pair.new_decode_layout() for name, _ in DECODERS}
 
-        # Workers sharing a layout register the same memory in their own agent.
-        pairs: dict[tuple[bool, bool], tuple[Any, Any, float]] = {}
-        workers: list[Any] = []
-        for variant in variants:
-            m = Measurement(variant.name, variant.description, variant.block_list)
-            results[variant.name] = m
-            key = (variant.coalesce, split)
-            if key not in pairs:
-                note(f"registering {variant.name}")
-                prefill = make_worker(
-                    prefill_layout,
-                    coalesce=variant.coalesce,
-                    engine_id=f"prefill-{variant.name}",
+        for group in (g for g in args.groups if g.layout == layout_key):
+            bl = block_lists[group.block_list]
+            measured: dict[str, tuple[Measurement, Any]] = {}
+            for name, coalesce in DECODERS:
+                m = Measurement(
+                    group=group.key,
+                    layout=group.label,
+                    synthetic_layout=group.synthetic_layout,
+                    block_list=bl.name,
+                    synthetic_block_list=bl.synthetic,
+                    decoder=name,
+                    coalesce=coalesce,
+                    request_blocks=len(bl.remote_ids),
                 )
-                step()
+                note(f"{group.key}: registering the {name} decoder")
                 t0 = time.perf_counter()
-                decode = make_worker(
-                    decode_layout,
-                    coalesce=variant.coalesce,
-                    engine_id=f"decode-{variant.name}",
+                decode = pair.make_worker(
+                    decode_layouts[name], f"decode-{group.key}-{name}", coalesce
                 )
-                register_s = time.perf_counter() - t0
-                handshake(decode, prefill)
+                m.register_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                connect(decode, pair.prefill)
+                m.handshake_s = time.perf_counter() - t0
+                m.regions_registered = int(decode.num_regions)
+                reads = decode._coalesced_reads.get((prefill_id, 0))
+                m.regions_read = (
+                    m.regions_registered if reads is None else len(reads.plan.runs)
+                )
+                m.coalesce_summary = "" if reads is None else reads.plan.summary()
+                measured[name] = (m, decode)
+                results.append(m)
                 step()
-                workers += [prefill, decode]
-                pairs[key] = (decode, prefill, register_s)
-            else:
-                step()
-                step()
-            decode, prefill, m.register_s = pairs[key]
-            assert decode.num_regions == prefill.num_regions
-            m.regions = decode.num_regions
-            m.pool_descriptors = int(decode.num_descs)
 
-        # Interleave the variants of this layout, one READ each per round.
-        scanned: set[str] = set()
-        for rep in range(args.reps):
-            for variant in variants:
-                m = results[variant.name]
-                decode, prefill, _ = pairs[(variant.coalesce, split)]
-                ids = block_lists[variant.block_list].block_ids
-                scan = args.scan == "every" or (
-                    args.scan == "first" and variant.name not in scanned
+            # Cold: each decoder's first READ, scanned for stray bytes.
+            for name, _ in DECODERS:
+                m, decode = measured[name]
+                note(f"{group.key}: cold READ, {name}")
+                m.cold_done_s = read_once(
+                    pair, m, decode, decode_layouts[name], bl, args.scan != "none"
                 )
-                note(f"rep {rep + 1}/{args.reps} {variant.name}")
-                result = read_blocks(
-                    decode,
-                    prefill,
-                    ids,
-                    decode_layout=decode_layout,
-                    prefill_layout=prefill_layout,
-                    scan_untouched=scan,
-                )
-                scanned.add(variant.name)
-                m.descriptors_per_transfer.append(result.descriptors)
-                m.desc_ids_per_transfer = result.desc_ids
-                m.prep_s.append(result.prep_s)
-                m.post_s.append(result.post_s)
-                m.done_s.append(result.done_s)
-                m.bytes_per_transfer = result.total_bytes
-                ok = bool(result.verified) and result.total_bytes == (
-                    result.bytes_checked
-                )
-                if not ok:
-                    m.verify_notes.append(f"rep {rep}: bytes differ")
-                m.bytes_verified &= ok
                 step()
-        if args.scan != "none":
-            note("final scan for stray bytes")
-            if not untouched(decode_layout):
-                for variant in variants:
-                    results[variant.name].bytes_verified = False
-                    results[variant.name].verify_notes.append(
-                        "stray bytes on the decode side after all READs"
+            # Warm: interleaved, alternating which decoder goes first.
+            for rep in range(args.reps):
+                order = DECODERS if rep % 2 == 0 else DECODERS[::-1]
+                for name, _ in order:
+                    m, decode = measured[name]
+                    note(f"{group.key}: warm READ {rep + 1}/{args.reps}, {name}")
+                    m.warm_done_s.append(
+                        read_once(
+                            pair,
+                            m,
+                            decode,
+                            decode_layouts[name],
+                            bl,
+                            args.scan == "every",
+                        )
                     )
-        for worker in reversed(workers):
-            worker.shutdown()
-        del workers, pairs, prefill_layout, decode_layout
+                    step()
+            for name, _ in DECODERS:
+                m, decode = measured[name]
+                if args.scan != "none" and not pair.untouched(decode_layouts[name]):
+                    m.bytes_verified = False
+                    m.verify_notes.append("stray bytes on the decoder after all READs")
+                decode.shutdown()
+            del measured
+            gc.collect()
+        pair.prefill.shutdown()
+        del pair, decode_layouts
         gc.collect()
     if bar is not None:
         bar.close()
 
-    ordered = [results[v.name] for v in args.variants]
-    stock = results.get("stock")
-    request_blocks = len(block_lists["churned"].block_ids)
+    groups = args.groups
     lines = [
-        "NIXL descriptor benchmark: real pull workers, real NIXL agents over UCX "
-        "on host DRAM (prefill and decode in one process).",
-        f"Layout: {args.num_mla} MLA pages of {args.mla_page:,} B + "
-        f"{args.num_indexer} indexer pages of {args.indexer_page:,} B per row"
-        + (
-            f", draft MLA page of {args.mla_page:,} B in its own storage"
-            if args.draft
-            else ""
-        )
-        + f"; {args.num_blocks:,} blocks; {row_bytes:,} B per block over all "
-        f"storages ({2 * row_bytes * args.num_blocks / 2**30:.2f} GiB for P + D).",
-        f"Request: {request_blocks:,} blocks "
-        f"({request_blocks * BLOCK_SIZE:,} tokens at block size {BLOCK_SIZE}).",
+        "NIXL descriptor benchmark: the decoder's real read path "
+        "(_read_blocks_for_req via pull_request) between real pull workers, real "
+        "NIXL agents over UCX on host DRAM (one process). Prefillers are stock; "
+        "only the decoder's VLLM_NIXL_COALESCE_REGIONS differs.",
     ]
-    for bl in block_lists.values():
+    if any(g.synthetic_layout for g in groups):
         lines.append(
-            f"  block list '{bl.name}': {bl.runs:,} runs, mean run "
-            f"{bl.mean_run:.1f} blocks ({bl.source})"
+            f"SYNTHETIC layouts: {args.num_mla} MLA pages of {args.mla_page:,} B + "
+            f"{args.num_indexer} indexer pages of {args.indexer_page:,} B per row "
+            f"+ a draft MLA page of {args.mla_page:,} B in its own storage; "
+            f"{args.num_blocks:,} blocks; "
+            + "; ".join(
+                f"{key}: {text}"
+                for key, text in layout_notes.items()
+                if key != "hisparse"
+            )
+            + "."
         )
-    if args.block_lists is None:
+    if "hisparse" in layout_notes:
         lines.append(
-            "  Block lists are seeded synthetic stand-ins: the real block pool "
+            f"HiSparse pair (vLLM's planner + allocator): {ZOO_DECODER} decoder <- "
+            f"{ZOO_PREFILLER} prefiller, {args.hisparse_layers} layers, pages "
+            f"1/{args.hisparse_scale} of real, {args.hisparse_blocks:,} blocks; "
+            f"{layout_notes['hisparse']}."
+        )
+    used = {g.block_list for g in groups}
+    for bl in block_lists.values():
+        if bl.name not in used:
+            continue
+        lines.append(
+            f"  block list '{bl.name}'{'*' if bl.synthetic else ''}: "
+            f"{len(bl.remote_ids):,} of {bl.num_blocks:,} blocks, {bl.runs:,} runs "
+            f"(mean {bl.mean_run:.1f}), {bl.paired_runs:,} runs consecutive on both "
+            f"sides ({bl.source})"
+        )
+    if any(block_lists[k].synthetic for k in used):
+        lines.append(
+            "  * SYNTHETIC block list: seeded stand-in, the real block pool "
             "(allocator policy) was not driven; see --block-lists."
         )
     lines.append(
-        f"Medians of {args.reps} interleaved READs per variant; every READ "
-        f"compared byte for byte (stray-byte scan: {args.scan})."
+        f"Cold: each decoder's first READ. Warm: median / p95 of {args.reps} "
+        f"interleaved READs. Every READ compared byte for byte (stray-byte scan: "
+        f"{args.scan})."
     )
     lines.append("")
-    for m in ordered:
-        lines.append(f"  {m.variant:<11} {m.description}")
+    for g in groups:
+        lines.append(f"  {g.key:<16} {g.description}")
+    for key, why in skipped.items():
+        lines.append(f"  {key:<16} SKIPPED (TODO): {why}")
     lines.append("")
-    lines.append(render_table(ordered, stock))
+    lines.append(render_table(results, groups))
     lines.append("")
     lines.append(
-        "descs/xfer is NIXL telemetry descCount (what was posted); pool descs is "
-        "the sum over regions of blocks per region (what registration prepped)."
+        "regions: worker.num_regions (registered, same with coalescing on or "
+        "off); read as: regions after coalescing (plan runs); descs/READ: NIXL "
+        "telemetry descCount summed over the request's READs; ratios vs the "
+        "same group's stock decoder in this run."
     )
+    for m in results:
+        if m.coalesce_summary:
+            lines.append(f"  {m.name}: {m.coalesce_summary}")
+        for message in m.verify_notes:
+            lines.append(f"  {m.name}: {message}")
     report = "\n".join(lines)
     print(report)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    config = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k != "groups"
+    } | {"groups": [g.key for g in groups]}
     payload = {
         "benchmark": "bench_nixl_descriptors",
-        "mode": "real pull workers + real NIXL (UCX, host DRAM)",
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k != "variants"
-        }
-        | {"variants": [v.name for v in args.variants]},
+        "mode": "decoder read path (pull_request) + real NIXL (UCX, host DRAM)",
+        "config": config,
         "environment": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -697,16 +1181,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
         },
+        "groups": [asdict(g) for g in groups],
+        "skipped": skipped,
         "block_lists": {
             name: {
-                "blocks": len(bl.block_ids),
+                "blocks": len(bl.remote_ids),
+                "pool_blocks": bl.num_blocks,
                 "runs": bl.runs,
+                "paired_runs": bl.paired_runs,
                 "mean_run": bl.mean_run,
                 "source": bl.source,
+                "synthetic": bl.synthetic,
             }
             for name, bl in block_lists.items()
         },
-        "results": [m.summary() for m in ordered],
+        "results": [m.summary() for m in results],
         "elapsed_s": time.perf_counter() - started,
         "report": report,
     }
@@ -714,16 +1203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path.write_text(json.dumps(payload, indent=2))
     png_path = args.out / "nixl_descriptors.png"
     write_plot(
-        ordered,
+        results,
         png_path,
-        f"GLM-5.3-like row ({args.num_mla} MLA + {args.num_indexer} indexer), "
-        f"{args.num_blocks:,} blocks, {request_blocks:,}-block READ, "
-        "real NIXL over UCX (host DRAM)",
+        "NIXL READs on the decoder's read path, stock vs coalescing decoder "
+        "(real NIXL over UCX, host DRAM); two-storage and split-rows layouts "
+        "are SYNTHETIC",
     )
     print(
         f"\nwrote {json_path} and {png_path} in {time.perf_counter() - started:.0f} s"
     )
-    return 0 if all(m.bytes_verified for m in ordered) else 1
+    return 0 if all(m.bytes_verified for m in results) else 1
 
 
 def _package_version(name: str) -> str:

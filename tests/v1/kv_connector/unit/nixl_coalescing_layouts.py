@@ -8,19 +8,14 @@ block row holds the listed pages back to back. Views come from vLLM's own
 with only NIXL (optionally) and the distributed runtime faked.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from unittest.mock import MagicMock, patch
 
-import msgspec
-import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    NixlAgentMetadata,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -36,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 
-from .utils import create_vllm_config, expand_strided_descs
+from .utils import create_vllm_config
 
 BLOCK_SIZE = 64
 # GLM-5.3-like row (fp8_ds_mla, block size 64): DSA indexer and MLA pages.
@@ -232,48 +227,3 @@ def make_worker(
         worker.use_mla = use_mla
         worker.register_kv_caches(layout.caches)
     return worker
-
-
-def handshake(decode, prefill) -> str:
-    """Feed the prefill worker's advertised metadata to the decode worker."""
-    meta = msgspec.msgpack.decode(
-        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
-    )
-    with patch.object(bw.envs, "VLLM_NIXL_COALESCE_REGIONS", True):
-        return decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
-
-
-def byte_intervals(rows: np.ndarray) -> list[tuple[int, int]]:
-    """Merge (addr, len, ...) rows into sorted disjoint [start, end) intervals."""
-    spans = sorted((int(a), int(a) + int(n)) for a, n in rows[:, :2])
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
-
-
-def covered(descs: np.ndarray) -> list[tuple[int, int]]:
-    """Bytes covered by a strided (Nx5) or per-block (Nx3) descriptor list."""
-    descs = np.asarray(descs, dtype=np.uint64)
-    return byte_intervals(expand_strided_descs(descs) if descs.shape[1] == 5 else descs)
-
-
-def maximal_spans(storages: Iterable[Storage]) -> int:
-    """Expected region count: maximal runs of same-group MLA pages per storage.
-
-    Host-resident storages and non-MLA pages stay one region per page.
-    """
-    count = 0
-    for storage in storages:
-        previous: str | None = None
-        for page in storage.pages:
-            if storage.host_resident or not page.mla:
-                count += 1
-                previous = None
-            elif page.group != previous:
-                count += 1
-                previous = page.group
-    return count

@@ -1,20 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Real-NIXL READs between two pull workers on host DRAM.
+"""Real-NIXL reads between pull workers on host DRAM.
 
-The workers come from ``nixl_coalescing_layouts.make_worker(..., nixl_cls=None)``
-(real ``NixlWrapper``, UCX backend) and are handshaken with ``handshake``. A
-READ uses exactly what the pull worker's ``_read_blocks`` uses: the decode
-worker's local handle ``src_xfer_handles_by_block_size[remote_block_size]``,
-its remote handle ``dst_xfer_side_handles[prefill][0]``, and descriptor ids
-from its own ``_compute_desc_ids``. The descriptor count comes from NIXL's
-transfer telemetry (the workers create their agents with
+Workers get a real ``NixlWrapper`` (UCX backend); ``connect`` hands the
+prefill worker's advertised metadata to the decode worker the way the
+handshake does, and ``pull_request`` pulls one request through the decode
+worker's own read path (``_read_blocks_for_req``), so coalesced and standard
+reads are exercised exactly as in a deployment. The descriptor count comes
+from NIXL's transfer telemetry (the workers create their agents with
 ``capture_telemetry=True``), so it is what NIXL actually posted.
 
-Bytes are checked against the layout, not the workers' region tables: every
-page of a block row is transferred, so after the READ each local row of the
-request must equal its remote row over the pages and every other byte of the
-decode side must still be zero.
+``verify_and_reset`` checks hand-built layouts (``nixl_coalescing_layouts``)
+byte for byte: each local row of the request must equal its remote row over
+the pages, and every other byte of the decode side must still be zero.
 """
 
 from __future__ import annotations
@@ -33,38 +31,6 @@ from .nixl_coalescing_layouts import BuiltLayout
 # The fill pattern repeats with a prime period longer than any block row here,
 # so no two rows of a storage hold the same bytes (a misplaced block shows).
 _PATTERN_PERIOD = (1 << 23) + 9
-
-
-@dataclass(frozen=True)
-class ReadResult:
-    """What one real READ posted and how long it took.
-
-    Attributes:
-        descriptors: Descriptors NIXL posted (telemetry ``descCount``).
-        desc_ids: Descriptor ids the worker computed (before NIXL merging).
-        total_bytes: Bytes NIXL reported moving (telemetry ``totalBytes``).
-        prep_s: Wall time of ``make_prepped_xfer``.
-        post_s: Wall time of ``transfer`` (posting the descriptors).
-        done_s: Wall time from ``transfer`` until ``check_xfer_state`` is DONE.
-        telemetry_post_s: NIXL's own post duration.
-        telemetry_xfer_s: NIXL's own transfer duration.
-        bytes_checked: Bytes compared between the local and remote rows, or 0
-            when not verified.
-        verified: Whether every transferred byte matched and no other local
-            byte changed (``None`` when not checked).
-
-    """
-
-    descriptors: int
-    desc_ids: int
-    total_bytes: int
-    prep_s: float
-    post_s: float
-    done_s: float
-    telemetry_post_s: float
-    telemetry_xfer_s: float
-    bytes_checked: int
-    verified: bool | None
 
 
 def _rows(raw: torch.Tensor, offset: int, stride: int, num_blocks: int) -> torch.Tensor:
@@ -197,133 +163,6 @@ def verify_and_reset(
     return ok, compared
 
 
-def block_ids_per_group(worker, block_ids: Sequence[int]) -> list[list[int]]:
-    """The same block ids for every transfer group, as a request holds them."""
-    return [list(block_ids) for _ in worker.kv_cache_config.transfer_groups]
-
-
-def compute_desc_ids(
-    decode,
-    prefill_engine_id: str,
-    local_block_ids: Sequence[int],
-    remote_block_ids: Sequence[int],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Local and remote descriptor ids, computed as ``_read_blocks`` does."""
-    remote_info = decode.transfer_topo.get_engine_info(prefill_engine_id)
-    block_size_ratio = decode.transfer_topo.block_size_ratio(
-        remote_info.remote_block_size
-    )
-    remote = decode._compute_desc_ids(
-        block_ids=block_ids_per_group(decode, remote_block_ids),
-        dst_num_blocks=decode.dst_num_blocks[prefill_engine_id],
-        block_size_ratio=None,
-        physical_blocks_per_logical=remote_info.remote_physical_blocks_per_logical,
-        region_num_blocks=decode.dst_region_num_blocks.get(prefill_engine_id) or None,
-        region_group_ids=decode.dst_region_group_ids.get(prefill_engine_id) or None,
-        uses_region_group_mapping=decode.dst_uses_region_group_mapping[
-            prefill_engine_id
-        ],
-    )
-    local = decode._compute_desc_ids(
-        block_ids=block_ids_per_group(decode, local_block_ids),
-        dst_num_blocks=decode.dst_num_blocks[decode.engine_id],
-        block_size_ratio=block_size_ratio,
-        physical_blocks_per_logical=decode._physical_blocks_per_logical_kv_block,
-        region_num_blocks=decode.dst_region_num_blocks.get(decode.engine_id) or None,
-        region_group_ids=decode.region_group_ids or None,
-        uses_region_group_mapping=decode._uses_region_group_mapping,
-    )
-    assert len(local) == len(remote), (len(local), len(remote))
-    return local, remote
-
-
-def read_blocks(
-    decode,
-    prefill,
-    block_ids: Sequence[int],
-    *,
-    local_block_ids: Sequence[int] | None = None,
-    decode_layout: BuiltLayout | None = None,
-    prefill_layout: BuiltLayout | None = None,
-    scan_untouched: bool = True,
-    timeout_s: float = 120.0,
-) -> ReadResult:
-    """READ blocks from the prefill worker into the decode worker.
-
-    Args:
-        decode: Handshaken decode (reading) worker with a real NIXL agent.
-        prefill: The prefill worker it handshook with.
-        block_ids: Remote (prefill) block ids to read.
-        local_block_ids: Local block ids to land them in; defaults to the same.
-        decode_layout: Decode layout; with ``prefill_layout``, verify the bytes
-            (the decode side must be all zero before the call; it is zeroed
-            again afterwards).
-        prefill_layout: Prefill layout, see ``decode_layout``.
-        scan_untouched: With verification, also scan the whole decode side
-            for bytes written outside the requested rows.
-        timeout_s: Give up waiting for DONE after this long.
-
-    Returns:
-        Descriptor count, timings and the verification result.
-
-    Raises:
-        RuntimeError: The transfer failed or did not finish in time.
-
-    """
-    if local_block_ids is None:
-        local_block_ids = block_ids
-    assert len(local_block_ids) == len(block_ids)
-    engine_id = prefill.engine_id
-    remote_info = decode.transfer_topo.get_engine_info(engine_id)
-    local_handle = decode.src_xfer_handles_by_block_size[remote_info.remote_block_size]
-    remote_handle = decode.dst_xfer_side_handles[engine_id][0]
-    local_ids, remote_ids = compute_desc_ids(
-        decode, engine_id, local_block_ids, block_ids
-    )
-    nixl = decode.nixl_wrapper
-
-    start = time.perf_counter()
-    handle = nixl.make_prepped_xfer(
-        "READ", local_handle, local_ids, remote_handle, remote_ids
-    )
-    prepped = time.perf_counter()
-    try:
-        state = nixl.transfer(handle)
-        posted = time.perf_counter()
-        while state != "DONE":
-            if state not in ("PROC", "DONE"):
-                raise RuntimeError(f"NIXL READ failed: state {state!r}")
-            if time.perf_counter() - posted > timeout_s:
-                raise RuntimeError(f"NIXL READ not done after {timeout_s} s")
-            state = nixl.check_xfer_state(handle)
-        done = time.perf_counter()
-        telemetry = nixl.get_xfer_telemetry(handle)
-    finally:
-        nixl.release_xfer_handle(handle)
-
-    verified, checked = None, 0
-    if decode_layout is not None and prefill_layout is not None:
-        verified, checked = verify_and_reset(
-            decode_layout,
-            prefill_layout,
-            local_block_ids,
-            block_ids,
-            scan_untouched=scan_untouched,
-        )
-    return ReadResult(
-        descriptors=int(telemetry.descCount),
-        desc_ids=len(local_ids),
-        total_bytes=int(telemetry.totalBytes),
-        prep_s=prepped - start,
-        post_s=posted - prepped,
-        done_s=done - prepped,
-        telemetry_post_s=telemetry.postDuration / 1e6,
-        telemetry_xfer_s=telemetry.xferDuration / 1e6,
-        bytes_checked=checked,
-        verified=verified,
-    )
-
-
 def count_runs(block_ids: Sequence[int]) -> int:
     """Runs of consecutive ascending block ids (what NIXL merges in a dense row)."""
     ids = np.asarray(block_ids, dtype=np.int64)
@@ -394,3 +233,129 @@ def shutdown(*workers) -> None:
     """Release the workers' NIXL handles, remote agents and registrations."""
     for worker in workers:
         worker.shutdown()
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What the decode worker's own read path posted for one request.
+
+    Attributes:
+        descriptors: Descriptors NIXL posted over all READs (telemetry).
+        total_bytes: Bytes NIXL reported moving.
+        reads: READ handles the worker created.
+        coalesced: Whether the worker used coalesced descriptors.
+        done_s: Wall time from the call until every READ was DONE.
+
+    """
+
+    descriptors: int
+    total_bytes: int
+    reads: int
+    coalesced: bool
+    done_s: float
+
+
+def pull_request(
+    decode,
+    prefill,
+    local_block_ids: Sequence[Sequence[int]],
+    remote_block_ids: Sequence[Sequence[int]],
+    *,
+    remote_rank: int = 0,
+    remote_tp_size: int = 1,
+    num_tokens: int | None = None,
+    timeout_s: float = 120.0,
+) -> PullResult:
+    """Pull one request through ``NixlPullConnectorWorker._read_blocks_for_req``.
+
+    The decode worker must have handshaken with ``prefill`` (``add_remote_agent``).
+    Block ids are per transfer group, as the scheduler hands them over.
+
+    Returns:
+        The descriptor count and timing of the READs the worker posted.
+
+    Raises:
+        RuntimeError: A READ failed or did not finish in time.
+
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        RemoteMeta,
+        ReqMeta,
+    )
+
+    engine_id = prefill.engine_id
+    assert (0, remote_rank) in decode._remote_agents.get(engine_id, {}), (
+        "handshake first (connect)"
+    )
+    req_id = f"req-{uuid.uuid4()}"
+    meta = ReqMeta(
+        local_block_ids=[list(ids) for ids in local_block_ids],
+        local_physical_block_ids=[list(ids) for ids in local_block_ids],
+        tp_size=remote_tp_size,
+        remote=RemoteMeta(
+            block_ids=[list(ids) for ids in remote_block_ids],
+            host="localhost",
+            port=0,
+            engine_id=engine_id,
+            request_id=req_id,
+            num_tokens=num_tokens,
+        ),
+    )
+    nixl = decode.nixl_wrapper
+    start = time.perf_counter()
+    decode._read_blocks_for_req(req_id, meta)
+    handles = decode._recving_transfers.pop(req_id, [])
+    if req_id in decode._recv_failures:
+        raise RuntimeError(f"read of {req_id} failed to post")
+    descriptors = total_bytes = 0
+    try:
+        for handle in handles:
+            state = nixl.check_xfer_state(handle)
+            while state != "DONE":
+                if state not in ("PROC", "DONE"):
+                    raise RuntimeError(f"NIXL READ failed: state {state!r}")
+                if time.perf_counter() - start > timeout_s:
+                    raise RuntimeError(f"NIXL READ not done after {timeout_s} s")
+                state = nixl.check_xfer_state(handle)
+            telemetry = nixl.get_xfer_telemetry(handle)
+            descriptors += int(telemetry.descCount)
+            total_bytes += int(telemetry.totalBytes)
+        done = time.perf_counter()
+    finally:
+        for handle in handles:
+            nixl.release_xfer_handle(handle)
+    return PullResult(
+        descriptors=descriptors,
+        total_bytes=total_bytes,
+        reads=len(handles),
+        coalesced=bool(decode._coalesced_reads),
+        done_s=done - start,
+    )
+
+
+def connect(
+    decode, prefill, *, remote_tp_rank: int = 0, remote_tp_size: int = 1
+) -> str:
+    """Hand the prefill worker's advertised metadata to the decode worker.
+
+    Decodes the handshake payload exactly as ``_nixl_handshake`` does, calls
+    ``add_remote_agent`` and records the agent the way the handshake does.
+
+    Returns:
+        The remote agent name.
+
+    """
+    import msgspec
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
+    )
+
+    meta = msgspec.msgpack.decode(
+        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
+    )
+    name = decode.add_remote_agent(
+        meta, remote_tp_rank=remote_tp_rank, remote_tp_size=remote_tp_size
+    )
+    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, remote_tp_rank)] = name
+    return name

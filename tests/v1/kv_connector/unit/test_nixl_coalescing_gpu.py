@@ -3,9 +3,10 @@
 """Coalesced NIXL regions on a GPU (skipped without CUDA).
 
 1. VRAM: the scaled-down GLM-5.3-like layout of ``test_nixl_coalescing_real``
-   allocated in GPU memory, registered by the real pull-worker code with real
-   NIXL agents, and a fragmented READ between the two GPU buffers compared
-   byte for byte, with the descriptor count NIXL reports.
+   (synthetic two-storage row) allocated in GPU memory, registered by the real
+   pull-worker code with real NIXL agents, and a fragmented request pulled by
+   the decoder's own read path between the two GPU buffers, compared byte for
+   byte, with the descriptor count NIXL reports.
 2. Prefill/decode smoke test: a tiny DeepSeek-V2 (MLA) model written as a
    config to a temp dir and loaded with dummy weights (no downloads), one
    prefill engine and one decode engine with the NIXL connector on one GPU. The
@@ -29,14 +30,15 @@ from .nixl_coalescing_layouts import (  # noqa: E402
     BuiltLayout,
     build_layout,
     glm_like,
-    handshake,
     make_worker,
 )
 from .nixl_real_transfer import (  # noqa: E402
+    connect,
     count_runs,
     fill_pattern,
     probe_real_nixl,
-    read_blocks,
+    pull_request,
+    verify_and_reset,
 )
 from .test_nixl_coalescing_real import (  # noqa: E402
     INDEXER_PAGE,
@@ -82,7 +84,7 @@ def nixl_ok() -> None:
 @pytest.mark.parametrize(
     ("coalesce", "split", "expected_regions"),
     [(False, False, STOCK_REGIONS), (True, False, 3), (True, True, 3)],
-    ids=["stock", "spans", "dense"],
+    ids=["stock", "partial", "dense"],
 )
 def test_vram_coalesced_read_is_byte_exact(nixl_ok, coalesce, split, expected_regions):
     prefill_layout, decode_layout = cuda_layout(split), cuda_layout(split)
@@ -91,25 +93,28 @@ def test_vram_coalesced_read_is_byte_exact(nixl_ok, coalesce, split, expected_re
     prefill = make_worker(prefill_layout, coalesce=coalesce, engine_id="prefill")
     decode = make_worker(decode_layout, coalesce=coalesce, engine_id="decode")
     try:
-        handshake(decode, prefill)
-        assert decode.num_regions == prefill.num_regions == expected_regions
+        connect(decode, prefill)
+        assert decode.num_regions == prefill.num_regions == STOCK_REGIONS
+        reads = decode._coalesced_reads.get(("prefill", 0))
+        assert (len(reads.plan.runs) if reads else STOCK_REGIONS) == expected_regions
         assert set(decode.region_mem_types) == {"VRAM"}
-        result = read_blocks(
-            decode,
-            prefill,
-            BLOCK_IDS,
-            decode_layout=decode_layout,
-            prefill_layout=prefill_layout,
+        groups = len(decode.kv_cache_config.transfer_groups)
+        result = pull_request(
+            decode, prefill, [BLOCK_IDS] * groups, [BLOCK_IDS] * groups
         )
-        assert result.verified, "VRAM READ bytes differ from the prefill rows"
-        assert result.total_bytes == result.bytes_checked > 0
+        torch.accelerator.synchronize()
+        ok, checked = verify_and_reset(
+            decode_layout, prefill_layout, BLOCK_IDS, BLOCK_IDS
+        )
+        assert ok, "VRAM READ bytes differ from the prefill rows"
+        assert result.total_bytes == checked > 0
         blocks = len(BLOCK_IDS)
         # The draft row is dense in every variant (one page == its stride).
         expected = {
             "stock": (STOCK_REGIONS - 1) * blocks + RUNS,
-            "spans": 2 * blocks + RUNS,
+            "partial": 2 * blocks + RUNS,
             "dense": 3 * RUNS,
-        }["dense" if split else ("spans" if coalesce else "stock")]
+        }["dense" if split else ("partial" if coalesce else "stock")]
         assert result.descriptors == expected
     finally:
         decode.shutdown()

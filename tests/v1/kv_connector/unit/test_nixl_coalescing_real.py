@@ -1,42 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Coalesced NIXL regions moving real bytes: two agents on host DRAM over UCX.
+"""Coalesced reads moving real bytes: two NIXL agents on host DRAM over UCX.
 
-Pull workers run the fork's real registration and handshake over a scaled-down
+Pull workers run the real registration and handshake over a scaled-down
 GLM-5.3-like layout (78 MLA + 23 DSA indexer pages per block row, a draft MLA
-cache in its own storage), then the decode worker READs a fragmented block
-list from the prefill worker through NIXL. Each test compares the bytes and
-asserts the descriptor count NIXL's telemetry reports:
+cache in its own storage: a SYNTHETIC two-storage layout, which 0.33.0's
+allocator never builds but which gives stock one region per page), then the
+decode worker pulls a fragmented request through its own read path
+(``_read_blocks_for_req``). Each test checks the bytes against a stock decoder
+reading the same request and the descriptor count NIXL's telemetry reports:
 
-- per-layer regions (stock): one descriptor per (region, block);
-- coalesced spans: one per (span, block);
-- dense rows (a region whose length equals its stride): one per run of
-  consecutive block ids, since NIXL merges adjacent descriptors.
-
-The draft cache is a single page in its own storage, so its region is a dense
-row in every variant.
+- stock reads: one descriptor per (region, block);
+- coalesced reads: one per (run of adjacent regions, block);
+- a run that fills its row on both sides (length == stride) is dense: NIXL
+  merges consecutive blocks, one descriptor per run of block ids.
 """
 
 import random
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 pytest.importorskip("nixl")
 
 from .nixl_coalescing_layouts import (  # noqa: E402
     BuiltLayout,
+    Page,
+    Storage,
     build_layout,
     glm_like,
-    handshake,
     make_worker,
 )
 from .nixl_real_transfer import (  # noqa: E402
-    ReadResult,
+    PullResult,
+    connect,
     count_runs,
     fill_pattern,
     probe_real_nixl,
-    read_blocks,
+    pull_request,
+    zero,
 )
 
 pytestmark = pytest.mark.cpu_test
@@ -64,19 +67,30 @@ BLOCK_IDS = fragmented_block_ids()
 RUNS = count_runs(BLOCK_IDS)
 
 
-def expected_descriptors(worker, block_ids: list[int]) -> int:
-    """Descriptors NIXL posts for a READ into this worker's regions.
+def read_regions(decode, prefill) -> list[tuple[int, int]]:
+    """``(length, stride)`` of every region the decoder reads from ``prefill``."""
+    reads = decode._coalesced_reads.get((prefill.engine_id, 0))
+    runs = reads.plan.runs if reads else [(i,) for i in range(decode.num_regions)]
+    return [
+        (
+            sum(decode.block_len_per_layer[i] for i in run),
+            decode.block_stride_per_layer[run[0]],
+        )
+        for run in runs
+    ]
 
-    A region whose length equals its stride is a dense row: NIXL merges the
-    descriptors of consecutive blocks, so it costs one per run. Any other
-    region costs one per block.
+
+def expected_descriptors(decode, prefill, block_ids: list[int]) -> int:
+    """Descriptors NIXL posts when both sides use the same block ids.
+
+    A read region whose length equals its stride (on both sides: the layouts
+    here are the same) is a dense row, so NIXL merges the descriptors of
+    consecutive blocks: one per run. Any other region costs one per block.
     """
     runs, blocks = count_runs(block_ids), len(block_ids)
     return sum(
         runs if length == stride else blocks
-        for length, stride in zip(
-            worker.block_len_per_layer, worker.block_stride_per_layer
-        )
+        for length, stride in read_regions(decode, prefill)
     )
 
 
@@ -89,7 +103,7 @@ def nixl_ok() -> None:
 
 @pytest.fixture(scope="module")
 def layouts(nixl_ok) -> dict[tuple[str, bool], BuiltLayout]:
-    """Prefill (pattern-filled) and decode (zeroed) layouts, per row style."""
+    """Prefill (pattern-filled) and two decode (zeroed) layouts per row style."""
     built = {}
     for split in (False, True):
         storages = glm_like(
@@ -101,13 +115,14 @@ def layouts(nixl_ok) -> dict[tuple[str, bool], BuiltLayout]:
         )
         built["p", split] = build_layout(storages, NUM_BLOCKS)
         built["d", split] = build_layout(storages, NUM_BLOCKS)
+        built["stock", split] = build_layout(storages, NUM_BLOCKS)
         fill_pattern(built["p", split], seed=int(split))
     return built
 
 
 @pytest.fixture
 def pair(layouts) -> Iterator[Callable]:
-    """Build a handshaken (decode, prefill) pair with real NIXL agents."""
+    """Build a connected (decode, prefill) pair with real NIXL agents."""
     workers = []
 
     def build(p_coalesce: bool, d_coalesce: bool, split: bool = False):
@@ -119,8 +134,8 @@ def pair(layouts) -> Iterator[Callable]:
             layouts["d", split], coalesce=d_coalesce, engine_id="decode"
         )
         workers.append(decode)
-        handshake(decode, prefill)
-        return decode, prefill, layouts["d", split], layouts["p", split]
+        connect(decode, prefill)
+        return decode, prefill, split
 
     yield build
     for worker in reversed(workers):
@@ -128,89 +143,209 @@ def pair(layouts) -> Iterator[Callable]:
 
 
 def read(
+    layouts,
     decode,
     prefill,
-    d_layout: BuiltLayout,
-    p_layout: BuiltLayout,
+    split: bool,
     block_ids: list[int] = BLOCK_IDS,
     local_ids: list[int] | None = None,
-) -> ReadResult:
-    result = read_blocks(
-        decode,
-        prefill,
-        block_ids,
-        local_block_ids=local_ids,
-        decode_layout=d_layout,
-        prefill_layout=p_layout,
-    )
-    assert result.verified, "READ bytes differ from the prefill rows"
-    # These layouts have no padding: a row is every byte of every storage.
-    row_bytes = sum(raw.numel() for raw in d_layout.raws) // NUM_BLOCKS
-    assert result.bytes_checked == len(block_ids) * row_bytes
-    assert result.total_bytes == result.bytes_checked
+) -> PullResult:
+    """Pull one request and check it byte for byte against a stock decoder."""
+    local_ids = block_ids if local_ids is None else local_ids
+    groups = len(decode.kv_cache_config.transfer_groups)
+    d_layout, p_layout = layouts["d", split], layouts["p", split]
+    result = pull_request(decode, prefill, [local_ids] * groups, [block_ids] * groups)
+    # The stock decoder reads the same request into its own layout.
+    oracle_layout = layouts["stock", split]
+    oracle = make_worker(oracle_layout, coalesce=False, engine_id="oracle")
+    try:
+        connect(oracle, prefill)
+        stock = pull_request(
+            oracle, prefill, [local_ids] * groups, [block_ids] * groups
+        )
+    finally:
+        oracle.shutdown()
+    assert stock.total_bytes == result.total_bytes
+    for got, want in zip(d_layout.raws, oracle_layout.raws):
+        assert torch.equal(got, want), "coalesced READ differs from stock"
+    for name, view in d_layout.caches.items():
+        remote = p_layout.caches[name]
+        for local_block, remote_block in zip(local_ids, block_ids):
+            assert torch.equal(view[local_block], remote[remote_block]), name
+    zero(d_layout)
+    zero(oracle_layout)
     return result
 
 
-def test_per_layer_regions_post_one_descriptor_per_region_and_block(pair):
-    decode, prefill, d_layout, p_layout = pair(False, False)
+def test_stock_reads_post_one_descriptor_per_region_and_block(layouts, pair):
+    decode, prefill, split = pair(False, False)
     assert decode.num_regions == prefill.num_regions == STOCK_REGIONS
-    result = read(decode, prefill, d_layout, p_layout)
+    assert not decode._coalesced_reads
+    result = read(layouts, decode, prefill, split)
     # 101 per-layer pages of the shared row plus the dense draft row.
     assert result.descriptors == (STOCK_REGIONS - 1) * len(BLOCK_IDS) + RUNS
-    assert result.descriptors == expected_descriptors(decode, BLOCK_IDS)
+    assert result.descriptors == expected_descriptors(decode, prefill, BLOCK_IDS)
 
 
-def test_spans_post_one_descriptor_per_span_and_block(pair):
-    decode, prefill, d_layout, p_layout = pair(True, True)
-    # Indexer span + MLA span share the row (two groups) + the draft row.
-    assert decode.num_regions == prefill.num_regions == 3
-    result = read(decode, prefill, d_layout, p_layout)
+@pytest.mark.parametrize("p_coalesce", [False, True])
+def test_coalesced_reads_post_one_descriptor_per_run_and_block(
+    layouts, pair, p_coalesce
+):
+    # Registration is stock on both sides; only the decoder's switch matters.
+    decode, prefill, split = pair(p_coalesce, True)
+    assert decode.num_regions == prefill.num_regions == STOCK_REGIONS
+    # Indexer run + MLA run share the row (two groups) + the draft row.
+    assert len(read_regions(decode, prefill)) == 3
+    result = read(layouts, decode, prefill, split)
     assert result.descriptors == 2 * len(BLOCK_IDS) + RUNS
-    assert result.descriptors == expected_descriptors(decode, BLOCK_IDS)
+    assert result.descriptors == expected_descriptors(decode, prefill, BLOCK_IDS)
 
 
-def test_dense_rows_post_one_descriptor_per_run(pair):
-    decode, prefill, d_layout, p_layout = pair(True, True, split=True)
-    assert decode.num_regions == prefill.num_regions == 3
-    assert decode.block_len_per_layer == decode.block_stride_per_layer
-    result = read(decode, prefill, d_layout, p_layout)
+def test_dense_runs_post_one_descriptor_per_block_run(layouts, pair):
+    decode, prefill, split = pair(True, True, split=True)
+    assert read_regions(decode, prefill) == [
+        (stride, stride) for _, stride in read_regions(decode, prefill)
+    ]
+    result = read(layouts, decode, prefill, split)
     assert result.descriptors == 3 * RUNS
 
 
-def test_dense_rows_contiguous_request_is_one_descriptor_per_region(pair):
-    decode, prefill, d_layout, p_layout = pair(True, True, split=True)
-    result = read(decode, prefill, d_layout, p_layout, block_ids=list(range(64, 192)))
-    assert result.descriptors == decode.num_regions
+def test_dense_runs_contiguous_request_is_one_descriptor_per_run(layouts, pair):
+    decode, prefill, split = pair(True, True, split=True)
+    result = read(layouts, decode, prefill, split, block_ids=list(range(64, 192)))
+    assert result.descriptors == 3
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["spans", "dense"])
-def test_coalesced_read_lands_remote_blocks_in_other_local_blocks(pair, split):
-    decode, prefill, d_layout, p_layout = pair(True, True, split=split)
+@pytest.mark.parametrize("split", [False, True], ids=["partial", "dense"])
+def test_coalesced_read_lands_remote_blocks_in_other_local_blocks(layouts, pair, split):
+    decode, prefill, split = pair(True, True, split=split)
     local = random.Random(1).sample(range(NUM_BLOCKS), len(BLOCK_IDS))
-    result = read(decode, prefill, d_layout, p_layout, local_ids=local)
+    result = read(layouts, decode, prefill, split, local_ids=local)
     assert result.descriptors <= 3 * len(BLOCK_IDS)
 
 
-@pytest.mark.parametrize(
-    ("p_coalesce", "d_coalesce"),
-    [(True, False), (False, True)],
-    ids=["P-coalesced_D-stock", "P-stock_D-coalesced"],
-)
-def test_mixed_pairs_transfer_byte_exact(pair, p_coalesce, d_coalesce):
-    # Pages are adjacent on both sides, so the decode side maps the remote
-    # regions onto its own: no handshake error, and the bytes match.
-    decode, prefill, d_layout, p_layout = pair(p_coalesce, d_coalesce)
-    assert prefill.num_regions == (3 if p_coalesce else STOCK_REGIONS)
-    assert decode.num_regions == (3 if d_coalesce else STOCK_REGIONS)
-    result = read(decode, prefill, d_layout, p_layout)
-    # The reader's regions set the descriptor count.
-    assert result.descriptors == expected_descriptors(decode, BLOCK_IDS)
+def test_coalescing_cuts_posted_descriptors_by_the_run_factor(layouts, pair):
+    stock = read(layouts, *pair(False, False))
+    partial = read(layouts, *pair(True, True))
+    dense = read(layouts, *pair(True, True, split=True))
+    assert stock.total_bytes == partial.total_bytes == dense.total_bytes
+    assert partial.descriptors * 30 < stock.descriptors
+    assert dense.descriptors < partial.descriptors
 
 
-def test_coalescing_cuts_posted_descriptors_by_the_span_factor(pair):
-    stock = read(*pair(False, False))
-    spans = read(*pair(True, True))
-    dense = read(*pair(True, True, split=True))
-    assert stock.total_bytes == spans.total_bytes == dense.total_bytes
-    assert spans.descriptors * 30 < stock.descriptors
-    assert dense.descriptors < spans.descriptors
+def test_prefill_pages_in_another_order_read_byte_exact(layouts, nixl_ok):
+    # P's row holds the same pages in reverse order: nothing is adjacent in
+    # the same order on both sides, so the decoder keeps stock's reads.
+    storages = glm_like(6, 3, mla_page=MLA_PAGE, indexer_page=INDEXER_PAGE)
+    reverse = [Storage(tuple(reversed(s.pages))) for s in storages]
+    p_layout = build_layout(reverse, 16)
+    d_layout = build_layout(storages, 16)
+    fill_pattern(p_layout)
+    prefill = make_worker(p_layout, coalesce=True, engine_id="prefill")
+    decode = make_worker(d_layout, coalesce=True, engine_id="decode")
+    try:
+        connect(decode, prefill)
+        assert not decode._coalesced_reads
+        groups = len(decode.kv_cache_config.transfer_groups)
+        pull_request(decode, prefill, [[3, 1, 7]] * groups, [[5, 9, 2]] * groups)
+        for name, view in d_layout.caches.items():
+            for local_block, remote_block in zip([3, 1, 7], [5, 9, 2]):
+                assert torch.equal(
+                    view[local_block], p_layout.caches[name][remote_block]
+                ), name
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def test_a_run_splits_where_the_prefill_order_differs(layouts, nixl_ok):
+    # D row [A B C D], P row [A B D C], plus a draft storage on both sides so
+    # stock registers per-layer regions: A+B read as one, C and D alone.
+    pages = tuple(Page(f"model.layers.{i}.attn", 128, "mla") for i in range(4))
+    draft = Storage((Page("draft_model.layers.0.attn", 128, "draft"),))
+    p_pages = (pages[0], pages[1], pages[3], pages[2])
+    p_layout = build_layout([Storage(p_pages), draft], 16)
+    d_layout = build_layout([Storage(pages), draft], 16)
+    fill_pattern(p_layout)
+    prefill = make_worker(p_layout, coalesce=True, engine_id="prefill")
+    decode = make_worker(d_layout, coalesce=True, engine_id="decode")
+    try:
+        connect(decode, prefill)
+        runs = decode._coalesced_reads["prefill", 0].plan.runs
+        assert sorted(
+            [decode.region_names[i] for i in run] for run in runs if len(run) > 1
+        ) == [["model.layers.0.attn", "model.layers.1.attn"]]
+        groups = len(decode.kv_cache_config.transfer_groups)
+        result = pull_request(decode, prefill, [[4, 2]] * groups, [[6, 0]] * groups)
+        # Three partial regions (A+B, C, D) per block, plus the dense draft.
+        assert result.descriptors == 3 * 2 + 2
+        for name, view in d_layout.caches.items():
+            for local_block, remote_block in zip([4, 2], [6, 0]):
+                assert torch.equal(
+                    view[local_block], p_layout.caches[name][remote_block]
+                ), name
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def _pull_and_compare(p_storages, d_storages, local, remote) -> list[tuple[int, ...]]:
+    """Pull into a coalescing and a stock decoder; both must hold the same bytes.
+
+    Returns the coalescing decoder's runs.
+    """
+    p_layout = build_layout(p_storages, 16)
+    fill_pattern(p_layout)
+    d_layouts = {on: build_layout(d_storages, 16) for on in (True, False)}
+    prefill = make_worker(p_layout, coalesce=True, engine_id="prefill")
+    decoders = {
+        on: make_worker(d_layouts[on], coalesce=on, engine_id=f"decode-{on}")
+        for on in (True, False)
+    }
+    try:
+        for decode in decoders.values():
+            connect(decode, prefill)
+            pull_request(decode, prefill, local, remote)
+        for got, want in zip(d_layouts[True].raws, d_layouts[False].raws):
+            assert torch.equal(got, want), "coalesced READ differs from stock"
+        reads = decoders[True]._coalesced_reads.get(("prefill", 0))
+        return list(reads.plan.runs) if reads else []
+    finally:
+        for worker in (*decoders.values(), prefill):
+            worker.shutdown()
+
+
+def test_groups_aliasing_a_row_from_byte_zero(nixl_ok):
+    # Two HMA groups view one allocation from byte 0 (pages of different
+    # sizes), plus a draft storage so stock registers per-layer regions.
+    full = Storage(tuple(Page(f"model.layers.{i}.attn", 128, "full") for i in (0, 2)))
+    swa = Storage(
+        tuple(Page(f"model.layers.{i}.attn", 64, "swa") for i in (1, 3)),
+        pad=128,
+        shares=0,
+    )
+    draft = Storage((Page("draft_model.layers.0.attn", 128, "draft"),))
+    storages = [full, swa, draft]
+    # Disjoint block ids per group: the groups share the rows.
+    local = [[3, 9, 4], [11, 1, 12], [6, 2, 5]]
+    remote = [[7, 2, 8], [13, 0, 14], [10, 5, 15]]
+    runs = _pull_and_compare(storages, storages, local, remote)
+    # Two groups alias the row, so their first pages share a base address:
+    # stock merges those into one shared region, which never joins a run.
+    assert all(len(run) == 1 for run in runs)
+
+
+def test_head_sharded_pages_keep_their_own_reads(nixl_ok):
+    # A full-attention (TP-sharded) page between MLA pages of one group.
+    pages = (
+        Page("model.layers.0.attn", 128, "mla"),
+        Page("model.layers.1.attn", 128, "mla"),
+        Page("model.layers.2.attn", 128, "full", mla=False),
+        Page("model.layers.3.attn", 128, "mla2"),
+    )
+    draft = Storage((Page("draft_model.layers.0.attn", 128, "draft"),))
+    storages = [Storage(pages), draft]
+    groups = 4
+    ids = [[2 + g, 9 + g] for g in range(groups)]
+    runs = _pull_and_compare(storages, storages, ids, ids)
+    assert sorted(len(run) for run in runs)[-1] == 2  # layers 0 and 1 only

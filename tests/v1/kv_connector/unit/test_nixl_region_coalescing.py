@@ -1,249 +1,249 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Planner guards of NIXL region coalescing (geometry only, no torch/NIXL).
+"""Geometry-only tests of coalesced NIXL reads (no torch, no NIXL)."""
 
-One test per eligibility guard: a page that fails it stays on the standard
-per-layer path and the plan names the guard.
-"""
-
+import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.region_coalescing import (
-    CoalescingContext,
+    DescIdMap,
     Guard,
-    PageGeometry,
-    RegionGeometry,
-    RegionLayoutMismatchError,
-    SpanMember,
-    align_remote_regions,
-    plan_region_coalescing,
-    regions_from_metadata,
+    RegionRead,
+    coalesce_rows,
+    plan_coalesced_reads,
 )
 
 pytestmark = pytest.mark.cpu_test
 
-STRIDE = 4096
-PULL = CoalescingContext()
+STRIDE = 1_000
 
 
-def row(*sizes: int, storage: int = 1 << 20, **overrides) -> list[PageGeometry]:
-    """Pages of one block row, back to back from the storage base."""
-    pages, base = [], storage
-    for i, size in enumerate(sizes):
-        fields = dict(
-            name=f"L{i}",
-            base=base,
-            page_len=size,
-            block_stride=STRIDE,
-            num_blocks=8,
-            storage=storage,
-            mem_type="VRAM",
-            device_id=0,
-            group_id=0,
-            replicated_mla=True,
-        )
-        fields.update(overrides)
-        pages.append(PageGeometry(**fields))
-        base += size
-    return pages
-
-
-def excluded(plan) -> dict[str, Guard]:
-    return dict(plan.excluded)
-
-
-def test_adjacent_pages_form_one_span_in_address_order():
-    pages = row(512, 512, 512)
-    plan = plan_region_coalescing(pages[::-1], PULL)
-    (span,) = plan.spans
-    assert (span.base, span.length, span.stride) == (pages[0].base, 1536, STRIDE)
-    assert span.member_names == ["L0", "L1", "L2"]
-    assert [m.offset for m in span.members] == [0, 512, 1024]
-    assert not span.is_dense and plan.excluded == ()
-
-
-def test_mixed_page_sizes_covering_the_row_make_a_dense_row():
-    plan = plan_region_coalescing(row(1024, 3072), PULL)
-    (span,) = plan.spans
-    assert span.is_dense and span.layout_of("L1") == (1024, 3072)
-
-
-def test_storage_guard():
-    pages = row(512, 512)
-    pages[1] = replace(pages[1], storage=pages[1].storage + 1)
-    plan = plan_region_coalescing(pages, PULL)
-    assert plan.spans == ()
-    assert excluded(plan) == {"L0": Guard.STORAGE, "L1": Guard.STORAGE}
-
-
-def test_device_guard():
-    pages = row(512, 512)
-    pages[1] = replace(pages[1], device_id=1)
-    assert excluded(plan_region_coalescing(pages, PULL))["L1"] is Guard.DEVICE
-    pages[1] = replace(pages[1], device_id=0, mem_type="DRAM")
-    assert excluded(plan_region_coalescing(pages, PULL))["L1"] is Guard.DEVICE
-
-
-@pytest.mark.parametrize(
-    "field, guard",
-    [
-        ("replicated_mla", Guard.CACHE_SPEC),
-        ("host_resident", Guard.HOST_RESIDENT),
-        ("strided_page", Guard.LAYOUT),
-    ],
-)
-def test_cache_spec_host_resident_and_layout_guards(field, guard):
-    pages = row(512, 512, 512)
-    pages[1] = replace(pages[1], **{field: not getattr(pages[1], field)})
-    plan = plan_region_coalescing(pages, PULL)
-    # The excluded page splits the row: no neighbour is left to pack with.
-    assert plan.spans == ()
-    assert excluded(plan)["L1"] is guard
-    assert excluded(plan)["L0"] is Guard.ADJACENCY
-
-
-def test_stride_guard():
-    pages = row(512, 512)
-    pages[1] = replace(pages[1], block_stride=STRIDE * 2)
-    assert excluded(plan_region_coalescing(pages, PULL))["L1"] is Guard.STRIDE
-
-
-def test_block_count_guard():
-    pages = row(512, 512)
-    pages[1] = replace(pages[1], num_blocks=4)
-    assert excluded(plan_region_coalescing(pages, PULL))["L1"] is Guard.BLOCK_COUNT
-
-
-def test_adjacency_guard():
-    pages = row(512, 512)
-    pages[1] = replace(pages[1], base=pages[1].base + 64)
-    plan = plan_region_coalescing(pages, PULL)
-    assert excluded(plan) == {"L0": Guard.ADJACENCY, "L1": Guard.ADJACENCY}
-
-
-def test_span_never_exceeds_the_block_stride():
-    # A view whose pages run past the row end must not make one span whose
-    # block b overlaps block b + 1.
-    pages = row(2048, 2048, 2048)
-    plan = plan_region_coalescing(pages, PULL)
-    (span,) = plan.spans
-    assert span.member_names == ["L0", "L1"] and span.is_dense
-    assert excluded(plan) == {"L2": Guard.SPAN_LENGTH}
-
-
-def test_transfer_group_guard_keeps_groups_apart():
-    # Groups alias a row from byte 0: each group packs its own span.
-    group_a = row(512, 512, group_id=0)
-    group_b = [replace(p, name=f"M{i}", group_id=1) for i, p in enumerate(row(1024))]
-    group_b.append(replace(group_b[0], name="M1", base=group_b[0].end))
-    plan = plan_region_coalescing(group_a + group_b, PULL)
-    assert sorted(span.member_names for span in plan.spans) == [
-        ["L0", "L1"],
-        ["M0", "M1"],
-    ]
-    assert {span.group_id for span in plan.spans} == {0, 1}
-    # Two spans start at the same address: identity, not address, tells them apart.
-    assert len({span.base for span in plan.spans}) == 1
-    assert len(set(plan.spans)) == 2
-    assert plan.span_of("L1") != plan.span_of("M1")
-
-    mixed = row(512, 512)
-    mixed[1] = replace(mixed[1], group_id=1)
-    assert excluded(plan_region_coalescing(mixed, PULL))["L1"] is Guard.TRANSFER_GROUP
-
-
-@pytest.mark.parametrize(
-    "context, guard",
-    [
-        (CoalescingContext(enabled=False), Guard.DISABLED),
-        (CoalescingContext(transfer_mode="push"), Guard.TRANSFER_MODE),
-        (CoalescingContext(pp_size=2), Guard.PP_SIZE),
-        (CoalescingContext(physical_blocks_per_logical=2), Guard.BLOCK_RATIO),
-        (CoalescingContext(host_staging=True), Guard.HOST_STAGING),
-        (CoalescingContext(block_outermost=False), Guard.NOT_BLOCK_OUTERMOST),
-        (CoalescingContext(whole_row_packed=True), Guard.WHOLE_ROW),
-        (CoalescingContext(state_caches=True), Guard.STATE_CACHES),
-    ],
-)
-def test_worker_wide_guards_keep_every_page_per_layer(context, guard):
-    plan = plan_region_coalescing(row(512, 512), context)
-    assert plan.spans == ()
-    assert excluded(plan) == {"L0": guard, "L1": guard}
-    assert guard.value in plan.summary()
-
-
-def test_layer_mapping_is_preserved():
-    pages = row(512, 512, 512, 512)
-    pages[2] = replace(pages[2], replicated_mla=False)
-    plan = plan_region_coalescing(pages, PULL)
-    assert plan.span_of("L0") is plan.span_of("L1") is not None
-    assert plan.span_of("L2") is None
-    assert plan.span_of("L3") is None
-    for span in plan.spans:
-        for member in span.members:
-            assert span.layout_of(member.name) == (member.offset, member.page_len)
-    summary = plan.summary()
-    assert "2 pages in 1 packed regions" in summary and "L2" in summary
-
-
-def _region(base, *members, stride=STRIDE, blocks=8):
-    offset, out = 0, []
-    for name, size in members:
-        out.append(SpanMember(name, offset, size))
-        offset += size
-    return RegionGeometry(base, offset, stride, blocks, tuple(out))
-
-
-def test_align_coalesced_local_with_per_layer_remote():
-    local = [_region(100, ("L0", 512), ("L1", 512))]
-    remote = [_region(9000, ("L0", 512)), _region(9512, ("L1", 512))]
-    (aligned,) = align_remote_regions(local, remote)
-    assert (aligned.source, aligned.base, aligned.length) == (0, 9000, 1024)
-
-
-def test_align_per_layer_local_with_coalesced_remote():
-    local = [_region(100, ("L0", 512)), _region(612, ("L1", 512))]
-    remote = [_region(9000, ("L0", 512), ("L1", 512))]
-    aligned = align_remote_regions(local, remote)
-    assert [(r.source, r.base, r.length) for r in aligned] == [
-        (0, 9000, 512),
-        (0, 9512, 512),
-    ]
-
-
-@pytest.mark.parametrize(
-    "remote, reason",
-    [
-        ([_region(9000, ("L0", 512)), _region(9600, ("L1", 512))], "not adjacent"),
-        ([_region(9000, ("L0", 512), ("L1", 256))], "page is 256 B remote"),
-        ([_region(9000, ("L0", 512))], "no page for layer 'L1'"),
-        (
-            [_region(9000, ("L0", 512), ("L1", 512), ("L2", 512))],
-            "does not: ['L2']",
-        ),
-    ],
-)
-def test_align_mismatch_fails_closed_naming_both_layouts(remote, reason):
-    local = [_region(100, ("L0", 512), ("L1", 512))]
-    with pytest.raises(RegionLayoutMismatchError) as err:
-        align_remote_regions(local, remote)
-    message = str(err.value)
-    assert reason in message
-    assert "Local layout: coalesced" in message and "remote layout:" in message
-
-
-def test_regions_from_metadata_reads_whole_row_and_span_layouts():
-    # Stock whole-row packing advertises layouts but no members.
-    (row_region, lone) = regions_from_metadata(
-        [0, 50_000],
-        [STRIDE, 256],
-        [STRIDE, 256],
-        [8, 8],
-        ["L0", "X"],
-        [],
-        {"L0": (0, 1024), "L1": (1024, 3072)},
+def region(
+    i: int,
+    local: int,
+    remote: int,
+    length: int = 100,
+    **kwargs,
+) -> RegionRead:
+    values = dict(
+        name=f"layers.{i}",
+        local_base=local,
+        remote_base=remote,
+        length=length,
+        local_stride=STRIDE,
+        remote_stride=STRIDE,
+        local_num_blocks=8,
+        remote_num_blocks=8,
+        local_memory=(0, "DRAM", 0),
+        remote_memory=("DRAM", 0),
+        local_group=0,
+        remote_group=0,
     )
-    assert row_region.member_names == ["L0", "L1"] and row_region.is_dense
-    assert lone.members == (SpanMember("X", 0, 256),)
+    values.update(kwargs)
+    return RegionRead(**values)  # type: ignore[arg-type]
+
+
+def row(n: int, remote_shift: int = 0) -> list[RegionRead]:
+    """``n`` pages back to back on both sides, in region order."""
+    return [region(i, 100 * i, 5_000 + remote_shift + 100 * i) for i in range(n)]
+
+
+def test_adjacent_pages_on_both_sides_form_one_run():
+    plan = plan_coalesced_reads(row(4))
+    assert plan.runs == ((0, 1, 2, 3),)
+    assert plan.excluded == ()
+    assert plan.changes_reads
+
+
+def test_runs_follow_addresses_not_region_order():
+    # Regions listed in name order; pages sit in another order on both sides.
+    order = [2, 0, 3, 1]
+    regions = [
+        region(i, 100 * slot, 9_000 + 100 * slot) for i, slot in enumerate(order)
+    ]
+    plan = plan_coalesced_reads(regions)
+    assert plan.runs == ((1, 3, 0, 2),)
+
+
+def test_a_different_remote_order_splits_the_run():
+    regions = row(4)
+    # Swap the remote pages of regions 2 and 3.
+    regions[2], regions[3] = (
+        replace(regions[2], remote_base=regions[3].remote_base),
+        replace(regions[3], remote_base=regions[2].remote_base),
+    )
+    plan = plan_coalesced_reads(regions)
+    assert plan.runs == ((0, 1), (2,), (3,))
+    assert dict(plan.excluded) == {
+        "layers.2": Guard.REMOTE_ADJACENCY,
+        "layers.3": Guard.REMOTE_ADJACENCY,
+    }
+
+
+def test_reversed_remote_order_coalesces_nothing():
+    regions = [region(i, 100 * i, 9_000 - 100 * i) for i in range(4)]
+    plan = plan_coalesced_reads(regions)
+    assert not plan.changes_reads
+    assert len(plan.runs) == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "guard"),
+    [
+        (dict(local_memory=(1, "DRAM", 0)), Guard.MEMORY),
+        (dict(remote_memory=("VRAM", 0)), Guard.MEMORY),
+        (dict(local_group=1), Guard.TRANSFER_GROUP),
+        (dict(remote_group=1), Guard.TRANSFER_GROUP),
+        (dict(local_stride=2 * STRIDE), Guard.STRIDE),
+        (dict(remote_num_blocks=9), Guard.BLOCK_COUNT),
+    ],
+)
+def test_pair_guards_keep_regions_apart(change, guard):
+    regions = row(2)
+    regions[1] = replace(regions[1], **change)
+    plan = plan_coalesced_reads(regions)
+    assert plan.runs == ((0,), (1,))
+    assert dict(plan.excluded)["layers.1"] == guard
+
+
+def test_region_guards_and_worker_guards():
+    regions = row(3)
+    regions[1] = replace(regions[1], guard=Guard.CACHE_SPEC)
+    plan = plan_coalesced_reads(regions)
+    assert plan.runs == ((0,), (1,), (2,))
+    assert dict(plan.excluded)["layers.1"] == Guard.CACHE_SPEC
+    off = plan_coalesced_reads(row(3), Guard.DISABLED)
+    assert off.runs == ((0,), (1,), (2,))
+    assert off.summary() == f"off ({Guard.DISABLED.value})"
+
+
+def test_run_never_exceeds_a_block_stride():
+    regions = [region(i, 400 * i, 9_000 + 400 * i, length=400) for i in range(3)]
+    plan = plan_coalesced_reads(regions)
+    assert plan.runs == ((0, 1), (2,))
+    assert dict(plan.excluded)["layers.2"] == Guard.SPAN_LENGTH
+
+
+def test_aliased_groups_pick_their_own_neighbour():
+    # Two groups alias one row from byte 0: group 1's pages start where
+    # group 0's do. Each group's pages form their own run.
+    group0 = [region(i, 100 * i, 5_000 + 100 * i) for i in range(3)]
+    group1 = [
+        region(3 + i, 150 * i, 5_000 + 150 * i, 150, local_group=1, remote_group=1)
+        for i in range(2)
+    ]
+    plan = plan_coalesced_reads(group0 + group1)
+    assert plan.runs == ((0, 1, 2), (3, 4))
+
+
+def test_coalesce_rows_widens_the_first_row():
+    rows = [[1000 + 100 * i, 100, 0, STRIDE, 8] for i in range(3)]
+    assert coalesce_rows(rows, [(0, 1), (2,)]) == [
+        [1000, 200, 0, STRIDE, 8],
+        [1200, 100, 0, STRIDE, 8],
+    ]
+
+
+def _bytes(rows, ids):
+    """Byte ranges ``(start, end)`` of descriptor ids over strided rows."""
+    starts = np.cumsum([0] + [r[4] for r in rows])
+    out = []
+    for i in ids:
+        r = int(np.searchsorted(starts, i, side="right")) - 1
+        addr, length, _, stride, _ = rows[r]
+        out.append((addr + (i - starts[r]) * stride, length))
+    return out
+
+
+def _expand(pairs):
+    """Every ``(local byte, remote byte)`` pair a list of descriptor pairs moves."""
+    moved = set()
+    for (la, n), (ra, m) in pairs:
+        assert n == m
+        moved.update((la + k, ra + k) for k in range(n))
+    return moved
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mapped_ids_move_exactly_the_standard_bytes(seed):
+    rng = random.Random(seed)
+    num_regions = rng.randint(2, 7)
+    local_blocks, remote_blocks = rng.randint(4, 9), rng.randint(4, 9)
+    page = 7
+    slots = list(range(num_regions))
+    rng.shuffle(slots)
+    remote_slots = slots if rng.random() < 0.5 else rng.sample(slots, num_regions)
+    groups = [rng.randint(0, 1) for _ in range(num_regions)]
+    stride = page * num_regions + 3
+    regions = [
+        region(
+            i,
+            page * slots[i],
+            50_000 + page * remote_slots[i],
+            page,
+            local_stride=stride,
+            remote_stride=stride,
+            local_num_blocks=local_blocks,
+            remote_num_blocks=remote_blocks,
+            local_group=groups[i],
+            remote_group=groups[i],
+        )
+        for i in range(num_regions)
+    ]
+    plan = plan_coalesced_reads(regions)
+    local_rows = [[r.local_base, page, 0, stride, local_blocks] for r in regions]
+    remote_rows = [[r.remote_base, page, 0, stride, remote_blocks] for r in regions]
+    # The standard read: each group's blocks over each region of that group.
+    group_blocks = {
+        g: (rng.sample(range(local_blocks), 3), rng.sample(range(remote_blocks), 3))
+        for g in (0, 1)
+    }
+    local_ids, remote_ids = [], []
+    for i in range(num_regions):
+        local, remote = group_blocks[groups[i]]
+        local_ids += [i * local_blocks + b for b in local]
+        remote_ids += [i * remote_blocks + b for b in remote]
+    mapped = DescIdMap.build(
+        plan.runs, [local_blocks] * num_regions, [remote_blocks] * num_regions
+    )(np.array(local_ids), np.array(remote_ids))
+    assert mapped is not None
+    standard = _expand(
+        zip(_bytes(local_rows, local_ids), _bytes(remote_rows, remote_ids))
+    )
+    coalesced = _expand(
+        zip(
+            _bytes(coalesce_rows(local_rows, plan.runs), mapped[0]),
+            _bytes(coalesce_rows(remote_rows, plan.runs), mapped[1]),
+        )
+    )
+    assert coalesced == standard
+    assert len(mapped[0]) == len(local_ids) // num_regions * len(plan.runs)
+
+
+def test_ids_that_do_not_cover_a_run_evenly_are_not_mapped():
+    plan = plan_coalesced_reads(row(2))
+    id_map = DescIdMap.build(plan.runs, [8, 8], [8, 8])
+    # Region 0 reads two blocks, region 1 only one: keep the standard read.
+    assert id_map(np.array([0, 1, 8]), np.array([0, 1, 8])) is None
+    # Local region 1 paired with remote region 0.
+    assert id_map(np.array([0, 8]), np.array([8, 0])) is None
+    local, remote = id_map(np.array([3, 11]), np.array([5, 13]))
+    assert local.tolist() == [3] and remote.tolist() == [5]
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [(None, True), ("1", True), ("true", True), ("True", True), ("0", False)]
+    + [("false", False), ("FALSE", False)],
+)
+def test_switch_accepts_numbers_and_booleans(monkeypatch, value, enabled):
+    from vllm import envs
+
+    if value is None:
+        monkeypatch.delenv("VLLM_NIXL_COALESCE_REGIONS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_NIXL_COALESCE_REGIONS", value)
+    assert envs.environment_variables["VLLM_NIXL_COALESCE_REGIONS"]() is enabled

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Smoke tests for the planner-built NIXL layout zoo (``nixl_layout_zoo``).
+
+Every layout builds a prefill and a decode pull worker with real NIXL (UCX on
+host DRAM) and stock registration, and the decode worker accepts the prefill
+worker's handshake. Stock region counts are pinned to the values recorded in
+the zoo's module docstring.
+"""
+
+import pytest
+import torch
+
+from .nixl_layout_zoo import (
+    ZOO,
+    ZooLayout,
+    build_zoo_layout,
+    connect,
+    fill_pattern,
+    make_zoo_worker,
+    zero,
+)
+
+pytestmark = pytest.mark.cpu_test
+
+# worker.num_regions under stock registration at num_layers=4.
+STOCK_REGIONS = {
+    "glm53-mtp/BLHNC": 1,
+    "glm53/BLHNC": 1,
+    "dsv32/BLHNC": 1,
+    "dsv32/LBNHC": 8,
+    "dsv2-bf16/BLHNC": 1,
+    "dsv2-bf16/LBNHC": 4,
+    "dsv2-fp8/BLHNC": 1,
+    "mla-swa/BLHNC": 1,
+    "gpt-oss/LBNHC": 2,
+    "gpt-oss/BLHNC": 2,
+    "nemotron-h/LBNHC": 1,
+    "hisparse-glm53/BLHNC": 8,
+    "glm53-mtp+host-staging/BLHNC": 10,
+    "dsv32-pp2-stage0/BLHNC": 4,
+    "dsv32-pp2-stage1/BLHNC": 4,
+    "synthetic/glm-draft-storage": 9,
+}
+
+
+@pytest.fixture(scope="module")
+def real_nixl() -> None:
+    """Skip unless real NIXL agents can READ host DRAM here."""
+    pytest.importorskip("nixl")
+    from .nixl_real_transfer import probe_real_nixl
+
+    reason = probe_real_nixl()
+    if reason is not None:
+        pytest.skip(f"real NIXL unavailable: {reason}")
+
+
+def _offsets(layout: ZooLayout) -> dict[str, int]:
+    """Byte offset of every layer view inside its backing allocation."""
+    return {
+        name: cache.data_ptr() - cache.untyped_storage().data_ptr()
+        for name, cache in layout.kv_caches.items()
+    }
+
+
+def test_zoo_names_are_covered():
+    assert set(ZOO) == set(STOCK_REGIONS)
+    assert build_zoo_layout("synthetic/glm-draft-storage").synthetic
+    assert not build_zoo_layout("glm53-mtp/BLHNC").synthetic
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_layout_handshakes(name, real_nixl):
+    prefill_layout = build_zoo_layout(name)
+    decode_layout = build_zoo_layout(name)
+    prefill = make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
+    decode = make_zoo_worker(decode_layout, engine_id=f"D-{name}", coalesce=False)
+    try:
+        assert prefill.num_regions == decode.num_regions == STOCK_REGIONS[name]
+        assert connect(decode, prefill)
+        assert prefill.engine_id in decode.dst_xfer_side_handles
+        # Every view lives in one of the raws, and the raws are writable.
+        storages = {raw.untyped_storage().data_ptr() for raw in decode_layout.raws}
+        assert all(
+            cache.untyped_storage().data_ptr() in storages
+            for cache in decode_layout.kv_caches.values()
+        )
+        fill_pattern(decode_layout)
+        assert all(bool(raw.ne(0).all()) for raw in decode_layout.raws)
+        zero(decode_layout)
+        assert not any(bool(raw.any()) for raw in decode_layout.raws)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def test_permute_seed_reorders_pages_not_layers():
+    base = build_zoo_layout("glm53-mtp/BLHNC")
+    permuted = build_zoo_layout("glm53-mtp/BLHNC", permute_seed=1)
+    assert base.kv_caches.keys() == permuted.kv_caches.keys()
+    assert _offsets(base) != _offsets(permuted)
+    # Same row: same pages, only their order changes.
+    assert sorted(_offsets(base).values()) == sorted(_offsets(permuted).values())
+    for name, cache in base.kv_caches.items():
+        assert cache.shape == permuted.kv_caches[name].shape
+        assert cache.stride() == permuted.kv_caches[name].stride()
+    # Unpermuted, the indexer pages lead the row although names interleave.
+    names = sorted(_offsets(base), key=_offsets(base).get)
+    assert names[0].endswith("indexer.k_cache")
+    assert names[-1].endswith("self_attn.attn")
+
+
+def test_hisparse_layout_has_device_row_and_host_pool():
+    layout = build_zoo_layout("hisparse-glm53/BLHNC")
+    config = layout.kv_cache_config
+    assert len(layout.raws) == 2
+    assert config.hisparse_host_num_blocks == config.num_blocks
+    host = [t for t in config.kv_cache_tensors if t.host_resident]
+    assert host and all(t.block_stride < t.layer_stride for t in host)
+    # View-less HiSparse specs hand the runner the raw 1-D device buffer.
+    assert any(cache.dim() == 1 for cache in layout.kv_caches.values())
+    assert all(cache.dtype == torch.int8 for cache in layout.raws)
+
+
+@pytest.mark.parametrize(
+    "decode_name,prefill_name,accepted",
+    [
+        ("hisparse-glm53/BLHNC", "glm53/BLHNC", True),
+        ("glm53-mtp+host-staging/BLHNC", "glm53-mtp/BLHNC", True),
+        ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC", False),
+        ("dsv32/BLHNC", "dsv32-pp2-stage0/BLHNC", False),
+        ("dsv32/LBNHC", "dsv32/BLHNC", True),
+        ("dsv32/BLHNC", "dsv32/LBNHC", False),
+    ],
+)
+def test_stock_cross_pairings(decode_name, prefill_name, accepted):
+    """What stock registration accepts between different zoo layouts."""
+    decode = make_zoo_worker(
+        build_zoo_layout(decode_name), engine_id="D", coalesce=False, real_nixl=False
+    )
+    prefill = make_zoo_worker(
+        build_zoo_layout(prefill_name), engine_id="P", coalesce=False, real_nixl=False
+    )
+    if accepted:
+        assert connect(decode, prefill)
+    else:
+        with pytest.raises(RuntimeError, match="Packed KV block rows differ"):
+            connect(decode, prefill)
+
+
+@pytest.mark.parametrize(
+    "name,seed_d,accepted",
+    [("glm53-mtp/BLHNC", 2, False), ("dsv32/LBNHC", 2, True)],
+)
+def test_stock_permuted_pairings(name, seed_d, accepted):
+    """P and D with different page orders: refused only for whole-row regions."""
+    decode = make_zoo_worker(
+        build_zoo_layout(name, permute_seed=seed_d),
+        engine_id="D",
+        coalesce=False,
+        real_nixl=False,
+    )
+    prefill = make_zoo_worker(
+        build_zoo_layout(name, permute_seed=1),
+        engine_id="P",
+        coalesce=False,
+        real_nixl=False,
+    )
+    if accepted:
+        assert connect(decode, prefill)
+    else:
+        with pytest.raises(RuntimeError, match="Packed KV block rows differ"):
+            connect(decode, prefill)
+
+
+def test_glm_at_78_layers():
+    layout = build_zoo_layout("hisparse-glm53/BLHNC", num_layers=78, num_blocks=16)
+    worker = make_zoo_worker(layout, engine_id="P", coalesce=False, real_nixl=False)
+    # 23 strided indexer regions + 78 dense host MLA regions.
+    assert worker.num_regions == 101
