@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # The main job: set up the env, build the patched vLLM tree (build/vllm) and
-# run the series' NIXL descriptor benchmark from it; while the series has no
+# run the series' NIXL descriptor benchmark from it, then print the regions
+# each planner-built P/D pair reads (tools/zoo_regions.py); while the series has no
 # benchmark yet, print the series summary instead. Extra arguments go to the
 # benchmark.
 set -euo pipefail
@@ -32,8 +33,12 @@ if [[ -f $TREE/$BENCH ]]; then
     mkdir -p build/bench
   fi
   echo "main: running $BENCH $*"
-  exec env HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
-    PYTHONPATH="$TREE" "$VPY" "$TREE/$BENCH" "$@"
+  export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$TREE"
+  "$VPY" "$TREE/$BENCH" "$@"
+  # Where coalescing changes the reads, per planner-built P/D pair.
+  echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
+  mkdir -p build/bench
+  exec "$VPY" tools/zoo_regions.py --json build/bench/zoo_regions.json
 fi
 echo "main: no $BENCH in the fork yet; series summary:"
 exec "$VPY" tools/fork.py summary
