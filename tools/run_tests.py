@@ -120,7 +120,7 @@ SUITES: list[Suite] = [
           "tools/pre_commit/check_test_tethering.py"),
     _lint("buildkite-step-keys", r"^\.buildkite/.*\.ya?ml$", "{py}",
           "tools/pre_commit/check_buildkite_step_keys.py", pass_files=False),
-    Suite("series-tests", "series", quick=True),
+    Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     Suite("nixl-desc-geometry", "pytest", workers=2, stock=254,
           paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),

@@ -349,3 +349,54 @@ def test_head_sharded_pages_keep_their_own_reads(nixl_ok):
     ids = [[2 + g, 9 + g] for g in range(groups)]
     runs = _pull_and_compare(storages, storages, ids, ids)
     assert sorted(len(run) for run in runs)[-1] == 2  # layers 0 and 1 only
+
+
+def test_nixl_refuses_a_descriptor_across_two_registrations(nixl_ok):
+    # What the decoder relies on for remote runs: a remote descriptor that
+    # spans two of the peer's registrations fails at prep, never reads.
+    from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
+
+    config = nixl_agent_config(backends=["UCX"])
+    owner, reader = (NixlWrapper(f"{name}-{id(config)}", config) for name in "ab")
+    src = torch.ones(8192, dtype=torch.int8)
+    halves = [owner.get_reg_descs([half]) for half in (src[:4096], src[4096:])]
+    for descs in halves:
+        owner.register_memory(descs)
+    try:
+        peer = reader.add_remote_agent(owner.get_agent_metadata())
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            reader.prep_xfer_dlist(peer, [(src.data_ptr() + 2048, 4096, 0)], "DRAM")
+        reader.remove_remote_agent(peer)
+    finally:
+        for descs in halves:
+            owner.deregister_memory(descs)
+
+
+def test_a_refused_coalesced_list_keeps_the_standard_reads(nixl_ok):
+    storages = glm_like(6, 3, mla_page=MLA_PAGE, indexer_page=INDEXER_PAGE)
+    p_layout, d_layout = build_layout(storages, 16), build_layout(storages, 16)
+    fill_pattern(p_layout)
+    prefill = make_worker(p_layout, coalesce=True, engine_id="prefill")
+    decode = make_worker(d_layout, coalesce=True, engine_id="decode")
+    prep = decode.nixl_wrapper.prep_xfer_dlist
+
+    def refuse_runs(agent, rows, *args, **kwargs):
+        if agent != "NIXL_INIT_AGENT" and len(rows) < decode.num_regions:
+            raise RuntimeError("NIXL_ERR_NOT_FOUND")
+        return prep(agent, rows, *args, **kwargs)
+
+    try:
+        decode.nixl_wrapper.prep_xfer_dlist = refuse_runs
+        connect(decode, prefill)
+        assert not decode._coalesced_reads
+        groups = len(decode.kv_cache_config.transfer_groups)
+        result = pull_request(decode, prefill, [[3, 1]] * groups, [[5, 9]] * groups)
+        assert result.descriptors == decode.num_regions * 2
+        for name, view in d_layout.caches.items():
+            for local_block, remote_block in zip([3, 1], [5, 9]):
+                assert torch.equal(
+                    view[local_block], p_layout.caches[name][remote_block]
+                ), name
+    finally:
+        decode.shutdown()
+        prefill.shutdown()

@@ -160,7 +160,7 @@ def _bytes(rows, ids):
 
 def _expand(pairs):
     """Every ``(local byte, remote byte)`` pair a list of descriptor pairs moves."""
-    moved = set()
+    moved: set[tuple[int, int]] = set()
     for (la, n), (ra, m) in pairs:
         assert n == m
         moved.update((la + k, ra + k) for k in range(n))

@@ -262,7 +262,7 @@ def _bucket(region: RegionRead) -> Hashable:
 
 
 def coalesce_rows(
-    rows: Sequence[Sequence[int]], runs: Sequence[Sequence[int]]
+    rows: "np.ndarray | Sequence[Sequence[int]]", runs: Sequence[Sequence[int]]
 ) -> list[list[int]]:
     """Strided descriptor rows ``(addr, len, dev, stride, count)`` of the runs.
 
@@ -278,7 +278,8 @@ def coalesce_rows(
     for run in runs:
         first, last = rows[run[0]], rows[run[-1]]
         out.append(
-            [int(first[0]), int(last[0]) + int(last[1]) - int(first[0]), *first[2:]]
+            [int(first[0]), int(last[0]) + int(last[1]) - int(first[0])]
+            + [int(value) for value in first[2:]]
         )
     return out
 
