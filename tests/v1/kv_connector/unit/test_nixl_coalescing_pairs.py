@@ -295,3 +295,46 @@ def _check_views(d_views, p_layout, decode, prefill, local, remote) -> None:
             )
             checked += 1
     assert checked > 0
+
+
+def test_hisparse_coalesced_lists_split_by_memory_type():
+    # On a GPU the HiSparse decoder's indexer row is VRAM and its host pool
+    # DRAM; the coalesced local lists must split the same way the standard
+    # ones do. Registration here is all DRAM, so mark the device regions.
+    p_layout = _layout(Side("glm53/BLHNC"), "prefill")
+    d_layout = _layout(Side("hisparse-glm53/BLHNC"), "decode-mixed")
+    prefill = make_zoo_worker(
+        p_layout, engine_id="prefill", coalesce=False, real_nixl=False
+    )
+    decode = make_zoo_worker(
+        d_layout, engine_id="decode", coalesce=True, real_nixl=False
+    )
+    connect(decode, prefill)
+    runs = decode._coalesced_reads["prefill", 0].plan.runs
+    host = {
+        i
+        for i, name in enumerate(decode.region_names)
+        if decode.kv_cache_config.transfer_groups[
+            decode.kv_cache_config.transfer_group_index_by_layer[name]
+        ].host_resident
+    }
+    decode.region_mem_types = [
+        "DRAM" if i in host else "VRAM" for i in range(decode.num_regions)
+    ]
+    decode._mixed_mem_types = True
+    handle, dram_handle, is_dram, pos = decode._prep_coalesced_local_list(runs)
+    assert dram_handle is not None and is_dram is not None and pos is not None
+    device_rows = decode.nixl_wrapper.dlists[handle]
+    dram_rows = decode.nixl_wrapper.dlists[dram_handle]
+    counts = [int(decode.src_blocks_data[run[0], 4]) for run in runs]
+    run_is_dram = [run[0] in host for run in runs]
+    assert len(dram_rows) == sum(run_is_dram)
+    assert len(device_rows) == len(runs) - sum(run_is_dram)
+    assert is_dram.tolist() == [
+        d for d, n in zip(run_is_dram, counts) for _ in range(n)
+    ]
+    # Positions count within each memory type's list, in run order.
+    for mask in (is_dram, ~is_dram):
+        assert pos[mask].tolist() == list(range(int(mask.sum())))
+    decode.shutdown()
+    prefill.shutdown()
