@@ -371,6 +371,8 @@ class ZooPair:
         transferred; with ``scan`` every decoder byte must be zero again once
         the transferred rows are zeroed.
         """
+        from tests.v1.kv_connector.unit.nixl_real_transfer import run_slices
+
         runs = run_slices(local_ids, remote_ids)
         remote_caches = self.prefill_layout.kv_caches
         ok, compared = True, 0
@@ -595,22 +597,6 @@ def fragmented_block_ids(
     assert len(ids) == num_ids and len(set(ids)) == num_ids
     assert max(ids) < num_blocks
     return ids
-
-
-def run_slices(
-    local_ids: Sequence[int], remote_ids: Sequence[int]
-) -> list[tuple[int, int, int]]:
-    """``(local_start, remote_start, length)`` of runs consecutive on both sides."""
-    local = np.asarray(local_ids, dtype=np.int64)
-    remote = np.asarray(remote_ids, dtype=np.int64)
-    if local.size == 0:
-        return []
-    breaks: np.ndarray = (
-        np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
-    )
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [local.size]])
-    return [(int(local[a]), int(remote[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 def paired_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> int:

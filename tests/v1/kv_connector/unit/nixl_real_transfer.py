@@ -88,7 +88,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _paired_runs(
+def run_slices(
     local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
 ) -> list[tuple[int, int, int]]:
     """``(local_start, remote_start, length)`` runs consecutive on both sides."""
@@ -140,7 +140,7 @@ def verify_and_reset(
     assert len(local.storages) == len(remote.storages) == len(local.raws)
     num_blocks = local.config.num_blocks
     ok, compared = True, 0
-    runs = _paired_runs(local_block_ids, remote_block_ids)
+    runs = run_slices(local_block_ids, remote_block_ids)
     for storage, remote_storage, raw, remote_raw in zip(
         local.storages, remote.storages, local.raws, remote.raws
     ):

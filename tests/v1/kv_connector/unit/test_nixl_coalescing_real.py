@@ -142,6 +142,14 @@ def pair(layouts) -> Iterator[Callable]:
         worker.shutdown()
 
 
+def assert_layers_landed(d_layout, p_layout, local_ids, remote_ids) -> None:
+    """Each decode layer view holds the prefill view of its remote block."""
+    for name, view in d_layout.caches.items():
+        remote = p_layout.caches[name]
+        for local_block, remote_block in zip(local_ids, remote_ids):
+            assert torch.equal(view[local_block], remote[remote_block]), name
+
+
 def read(
     layouts,
     decode,
@@ -168,10 +176,7 @@ def read(
     assert stock.total_bytes == result.total_bytes
     for got, want in zip(d_layout.raws, oracle_layout.raws):
         assert torch.equal(got, want), "coalesced READ differs from stock"
-    for name, view in d_layout.caches.items():
-        remote = p_layout.caches[name]
-        for local_block, remote_block in zip(local_ids, block_ids):
-            assert torch.equal(view[local_block], remote[remote_block]), name
+    assert_layers_landed(d_layout, p_layout, local_ids, block_ids)
     zero(d_layout)
     zero(oracle_layout)
     return result
@@ -248,11 +253,7 @@ def test_prefill_pages_in_another_order_read_byte_exact(layouts, nixl_ok):
         assert not decode._coalesced_reads
         groups = len(decode.kv_cache_config.transfer_groups)
         pull_request(decode, prefill, [[3, 1, 7]] * groups, [[5, 9, 2]] * groups)
-        for name, view in d_layout.caches.items():
-            for local_block, remote_block in zip([3, 1, 7], [5, 9, 2]):
-                assert torch.equal(
-                    view[local_block], p_layout.caches[name][remote_block]
-                ), name
+        assert_layers_landed(d_layout, p_layout, [3, 1, 7], [5, 9, 2])
     finally:
         decode.shutdown()
         prefill.shutdown()
@@ -279,11 +280,7 @@ def test_a_run_splits_where_the_prefill_order_differs(layouts, nixl_ok):
         result = pull_request(decode, prefill, [[4, 2]] * groups, [[6, 0]] * groups)
         # Three partial regions (A+B, C, D) per block, plus the dense draft.
         assert result.descriptors == 3 * 2 + 2
-        for name, view in d_layout.caches.items():
-            for local_block, remote_block in zip([4, 2], [6, 0]):
-                assert torch.equal(
-                    view[local_block], p_layout.caches[name][remote_block]
-                ), name
+        assert_layers_landed(d_layout, p_layout, [4, 2], [6, 0])
     finally:
         decode.shutdown()
         prefill.shutdown()
@@ -392,11 +389,7 @@ def test_a_refused_coalesced_list_keeps_the_standard_reads(nixl_ok):
         groups = len(decode.kv_cache_config.transfer_groups)
         result = pull_request(decode, prefill, [[3, 1]] * groups, [[5, 9]] * groups)
         assert result.descriptors == decode.num_regions * 2
-        for name, view in d_layout.caches.items():
-            for local_block, remote_block in zip([3, 1], [5, 9]):
-                assert torch.equal(
-                    view[local_block], p_layout.caches[name][remote_block]
-                ), name
+        assert_layers_landed(d_layout, p_layout, [3, 1], [5, 9])
     finally:
         decode.shutdown()
         prefill.shutdown()
