@@ -20,6 +20,7 @@ Stdlib only; run it with any Python >= 3.11.
 from __future__ import annotations
 
 import argparse
+import email.utils as email_utils
 import hashlib
 import json
 import os
@@ -43,6 +44,10 @@ BASE_TAG = f"v{VLLM_VERSION}"
 BASE_COMMIT = "ff70f11a1f3adc8c1cea08a952df75c1740c0962"
 BASE_IDENTITY = ("vLLM release sdist", "noreply@vllm.invalid")
 FIXED_DATE = "2026-01-01T00:00:00+00:00"
+# Author of the series commits in the local build/vllm tree: fixed, so builds
+# are reproducible, and never exported as anyone's sign-off. `export` authors
+# and signs off every patch as `git config user.name/user.email`.
+BUILD_IDENTITY = ("vLLM NIXL series (local build)", "build@localhost.invalid")
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "series" / "manifest.toml"
@@ -67,7 +72,7 @@ MANIFEST_HEADER = """\
 #   body     commit message body (why the change is needed)
 #   files    new files the patch adds, kept at their upstream path in the repo
 #   diff     optional unified git diff against upstream files
-# The Signed-off-by trailer comes from `signed_off_by` below.
+# No identity here: `export` signs off as `git config user.name/user.email`.
 # `python3 tools/fork.py save` rewrites this file from build/vllm.
 
 """
@@ -96,7 +101,6 @@ class Patch:
 class Manifest:
     """The parsed series/manifest.toml."""
 
-    signed_off_by: str
     patches: list[Patch]
 
 
@@ -115,12 +119,14 @@ def load_manifest(require_subject: bool = True) -> Manifest:
         raise ForkError(f"{rel} not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{rel}: invalid TOML: {exc}") from None
-    unknown = set(data) - {"signed_off_by", "patch"}
+    if "signed_off_by" in data:
+        raise ForkError(
+            f"{rel}: remove signed_off_by; patches are signed off by whoever "
+            "exports them (git config user.name/user.email)"
+        )
+    unknown = set(data) - {"patch"}
     if unknown:
         raise ForkError(f"{rel}: unknown top-level keys {sorted(unknown)}")
-    signed = data.get("signed_off_by")
-    if not isinstance(signed, str) or not re.fullmatch(r"[^<>]+ <[^<>\s]+>", signed):
-        raise ForkError(f"{rel}: signed_off_by must be 'Name <email>'")
     raw = data.get("patch", [])
     if not isinstance(raw, list):
         raise ForkError(f"{rel}: 'patch' must be an array of tables")
@@ -160,7 +166,7 @@ def load_manifest(require_subject: bool = True) -> Manifest:
         patches.append(
             Patch(name, subject.strip(), body.strip("\n"), list(files), diff)
         )
-    return Manifest(signed, patches)
+    return Manifest(patches)
 
 
 def _toml_str(value: str) -> str:
@@ -182,7 +188,6 @@ def _toml_body(value: str) -> str:
 def dump_manifest(manifest: Manifest) -> str:
     """Serialize the manifest as TOML (round-trips through load_manifest)."""
     out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
-    out.append(f"signed_off_by = {_toml_str(manifest.signed_off_by)}\n")
     for p in manifest.patches:
         out.append("\n[[patch]]\n")
         out.append(f"name = {_toml_str(p.name)}\n")
@@ -265,10 +270,26 @@ def git_out(cwd: Path, *args: str) -> str:
     return git(cwd, *args).stdout.strip()
 
 
-def parse_identity(signed_off_by: str) -> tuple[str, str]:
-    match = re.fullmatch(r"(.+?) <(.+)>", signed_off_by)
-    assert match is not None
-    return match.group(1), match.group(2)
+def user_identity() -> tuple[str, str] | None:
+    """``git config user.name/user.email`` of whoever runs this, if both set."""
+    values = []
+    for key in ("user.name", "user.email"):
+        proc = subprocess.run(
+            ["git", "config", key], cwd=ROOT, capture_output=True, text=True
+        )
+        values.append(proc.stdout.strip() if proc.returncode == 0 else "")
+    name, email = values
+    return (name, email) if name and email else None
+
+
+def require_user_identity() -> tuple[str, str]:
+    identity = user_identity()
+    if identity is None:
+        raise ForkError(
+            "set git config user.name and user.email; exported patches "
+            "are authored and signed off (DCO) by whoever exports them"
+        )
+    return identity
 
 
 # --------------------------------------------------------------------------
@@ -390,14 +411,9 @@ def make_base(dest: Path, sdist: Path) -> str:
     return head
 
 
-def commit_message(patch: Patch, signed_off_by: str) -> str:
-    trailer = f"Signed-off-by: {signed_off_by}"
+def commit_message(patch: Patch) -> str:
     body = patch.body.strip("\n")
-    if not body:
-        return f"{patch.subject}\n\n{trailer}\n"
-    last_para = body.split("\n\n")[-1].splitlines()
-    sep = "\n" if all(TRAILER_RE.match(ln) for ln in last_para) else "\n\n"
-    return f"{patch.subject}\n\n{body}{sep}{trailer}\n"
+    return f"{patch.subject}\n\n{body}\n" if body else f"{patch.subject}\n"
 
 
 def _apply_error(pid: str, diff_rel: str, stderr: str) -> ForkError:
@@ -419,7 +435,7 @@ def _apply_error(pid: str, diff_rel: str, stderr: str) -> ForkError:
     return ForkError(f"patch {pid} does not apply: {diff_rel}: {reason}")
 
 
-def apply_patch(tree: Path, index: int, patch: Patch, signed_off_by: str) -> None:
+def apply_patch(tree: Path, index: int, patch: Patch) -> None:
     """Add the patch's files, apply its diff and commit it in tree."""
     pid = patch_id(index, patch)
     for rel in patch.files:
@@ -447,13 +463,12 @@ def apply_patch(tree: Path, index: int, patch: Patch, signed_off_by: str) -> Non
         )  # fmt: skip
         if proc.returncode != 0:
             raise _apply_error(pid, patch.diff, proc.stderr)
-    identity = parse_identity(signed_off_by)
     staged = git(tree, "diff", "--cached", "--quiet", check=False).returncode
     if staged == 0:
         print(f"warning: patch {pid} changes nothing", file=sys.stderr)
     git(
         tree, "commit", "-q", "--allow-empty", "--cleanup=whitespace",
-        "-F", "-", identity=identity, stdin=commit_message(patch, signed_off_by),
+        "-F", "-", identity=BUILD_IDENTITY, stdin=commit_message(patch),
     )  # fmt: skip
 
 
@@ -505,7 +520,7 @@ def build(tree: Path, force: bool) -> Manifest:
     prepare_base(tree, sdist)
     try:
         for index, patch in enumerate(manifest.patches, start=1):
-            apply_patch(tree, index, patch, manifest.signed_off_by)
+            apply_patch(tree, index, patch)
     except ForkError:
         # Leave a clean tree holding the patches that applied; it is the
         # series' own output, so the next build may discard it.
@@ -544,7 +559,12 @@ def series_commits(tree: Path) -> list[str]:
     return out.split() if out else []
 
 
-def export(out_dir: Path) -> list[Path]:
+def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
+    """``git format-patch`` the series, authored and signed off by ``identity``.
+
+    The local build's author and date are replaced by ``identity`` and the
+    time of the export; the Signed-off-by trailer is ``identity``'s.
+    """
     require_tree()
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.patch"):
@@ -552,15 +572,29 @@ def export(out_dir: Path) -> list[Path]:
     if not series_commits(TREE):
         return []
     git(
-        TREE, "format-patch", "-q", "--no-signature", "--no-renames",
-        "-o", str(out_dir.resolve()), f"{BASE_TAG}..HEAD",
+        TREE, "format-patch", "-q", "--no-signature", "--no-renames", "--signoff",
+        "-o", str(out_dir.resolve()), f"{BASE_TAG}..HEAD", identity=identity,
     )  # fmt: skip
-    return sorted(out_dir.glob("*.patch"))
+    name, email = identity
+    date = email_utils.formatdate(localtime=True)
+    patches = sorted(out_dir.glob("*.patch"))
+    for path in patches:
+        header, sep, rest = path.read_text(encoding="utf-8").partition("\n\n")
+        for key, value in (("From", f"{name} <{email}>"), ("Date", date)):
+            header = re.sub(
+                rf"^{key}: .*$",
+                lambda _, line=f"{key}: {value}": line,
+                header,
+                count=1,
+                flags=re.M,
+            )
+        path.write_text(header + sep + rest, encoding="utf-8")
+    return patches
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     out_dir = Path(args.dir) if args.dir else EXPORT_DIR
-    patches = export(out_dir)
+    patches = export(out_dir, require_user_identity())
     if not patches:
         print("export: empty series, nothing to export")
         return 0
@@ -580,7 +614,8 @@ def cmd_roundtrip(_: argparse.Namespace) -> int:
     want = git_out(TREE, "rev-parse", "HEAD^{tree}")
     (ROOT / "build").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT / "build", prefix="roundtrip-") as tmp:
-        patches = export(Path(tmp) / "export")
+        # Only the trees are compared: any identity will do.
+        patches = export(Path(tmp) / "export", user_identity() or BUILD_IDENTITY)
         fresh = Path(tmp) / "vllm"
         make_base(fresh, sdist)
         proc = git(
@@ -707,7 +742,7 @@ def cmd_save(_: argparse.Namespace) -> int:
         if (ROOT / stale).is_file():
             (ROOT / stale).unlink()
             print(f"save: removed {stale}")
-    new_manifest = Manifest(manifest.signed_off_by, new_patches)
+    new_manifest = Manifest(new_patches)
     MANIFEST.write_text(dump_manifest(new_manifest), encoding="utf-8")
     if load_manifest() != new_manifest:  # the hand-written TOML must round-trip
         raise ForkError(f"internal error: {_rel(MANIFEST)} does not round-trip")
