@@ -673,18 +673,47 @@ def changed_paths(tree: Path, commit: str) -> tuple[list[str], list[str]]:
     return added, other
 
 
-def write_blob(tree: Path, commit: str, path: str, dest: Path) -> None:
+def read_blob(tree: Path, commit: str, path: str) -> tuple[bytes, int]:
+    """Content and file mode of ``path`` at ``commit``."""
     data = subprocess.run(
         ["git", "show", f"{commit}:{path}"], cwd=tree, capture_output=True,
         check=True, env=git_env(),
     ).stdout  # fmt: skip
     mode = git_out(tree, "ls-tree", commit, "--", path).split()[0]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(data)
-    dest.chmod(0o755 if mode == "100755" else 0o644)
+    return data, 0o755 if mode == "100755" else 0o644
 
 
-def cmd_save(_: argparse.Namespace) -> int:
+class RepoWriter:
+    """Writes and deletions of `save`, or with ``check`` only their diff."""
+
+    def __init__(self, check: bool) -> None:
+        self.check = check
+        self.differs: list[str] = []
+
+    def write(self, rel: str, data: bytes, mode: int = 0o644) -> None:
+        dest = ROOT / rel
+        if self.check:
+            same = dest.is_file() and dest.read_bytes() == data
+            if not same or (dest.stat().st_mode & 0o777) != mode:
+                self.differs.append(rel)
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+        dest.chmod(mode)
+
+    def remove(self, rel: str) -> bool:
+        if not (ROOT / rel).is_file():
+            return False
+        if self.check:
+            self.differs.append(rel)
+        else:
+            (ROOT / rel).unlink()
+        return True
+
+
+def cmd_save(args: argparse.Namespace) -> int:
+    check = bool(getattr(args, "check", False))
+    out = RepoWriter(check)
     require_tree()
     manifest = load_manifest(require_subject=False)
     status = git_out(TREE, "status", "--porcelain")
@@ -710,7 +739,7 @@ def cmd_save(_: argparse.Namespace) -> int:
         added, other = changed_paths(TREE, commit)
         for path in added:
             _check_relpath(f"commit {commit[:12]}", path)
-            write_blob(TREE, commit, path, ROOT / path)
+            out.write(path, *read_blob(TREE, commit, path))
         diff_rel: str | None = None
         if other:
             numstat = git_out(TREE, "diff", "--numstat", f"{commit}^", commit,
@@ -722,28 +751,31 @@ def cmd_save(_: argparse.Namespace) -> int:
                 f"{commit}^", commit, "--", *other,
             ).stdout  # fmt: skip
             diff_rel = f"series/diffs/{index:04d}-{old.name}.diff"
-            (ROOT / diff_rel).parent.mkdir(parents=True, exist_ok=True)
-            (ROOT / diff_rel).write_text(text, encoding="utf-8")
+            out.write(diff_rel, text.encode("utf-8"))
         # Keep the manifest's file order; new files go last, sorted.
         files = [f for f in old.files if f in added]
         files += sorted(set(added) - set(files))
         new_patches.append(Patch(old.name, subject, body, files, diff_rel))
-        print(
-            f"save: {patch_id(index, old)}: {len(added)} new file(s), "
-            f"{len(other)} upstream file(s) changed"
-        )
+        if not check:
+            print(
+                f"save: {patch_id(index, old)}: {len(added)} new file(s), "
+                f"{len(other)} upstream file(s) changed"
+            )
     new_files = {f for p in new_patches for f in p.files}
     new_diffs = {p.diff for p in new_patches if p.diff}
-    for stale in sorted(old_files - new_files):
-        if (ROOT / stale).is_file():
-            (ROOT / stale).unlink()
-            print(f"save: removed {stale} (no longer added by the series)")
-    for stale in sorted(old_diffs - new_diffs):
-        if (ROOT / stale).is_file():
-            (ROOT / stale).unlink()
+    for stale in sorted((old_files - new_files) | (old_diffs - new_diffs)):
+        if out.remove(stale) and not check:
             print(f"save: removed {stale}")
     new_manifest = Manifest(new_patches)
-    MANIFEST.write_text(dump_manifest(new_manifest), encoding="utf-8")
+    out.write(
+        str(MANIFEST.relative_to(ROOT)), dump_manifest(new_manifest).encode("utf-8")
+    )
+    if check:
+        if out.differs:
+            print(f"save --check: FAIL: save would change {sorted(out.differs)}")
+            return 1
+        print(f"save --check: OK: the repository holds build/vllm's {BASE_TAG}..HEAD")
+        return 0
     if load_manifest() != new_manifest:  # the hand-written TOML must round-trip
         raise ForkError(f"internal error: {_rel(MANIFEST)} does not round-trip")
     mark_saved(TREE)
@@ -808,7 +840,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_export = sub.add_parser("export", help="git format-patch the series")
     p_export.add_argument("dir", nargs="?", help="output dir (build/series-export)")
     sub.add_parser("roundtrip", help="check export + git am reproduces build/vllm")
-    sub.add_parser("save", help="write build/vllm commits back into the repo")
+    p_save = sub.add_parser("save", help="write build/vllm commits back into the repo")
+    p_save.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; fail if save would change the repository",
+    )
     sub.add_parser("summary", help="print the series")
     args = parser.parse_args(argv)
     handlers = {

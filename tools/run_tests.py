@@ -79,7 +79,7 @@ class Suite:
     """One row of the summary table."""
 
     name: str
-    kind: str  # "lint" | "series" | "roundtrip" | "pytest"
+    kind: str  # "lint" | "series" | "roundtrip" | "save-check" | "pytest"
     _: KW_ONLY
     # lint: command run from build/vllm; "{py}" is the venv python.
     cmd: tuple[str, ...] = ()
@@ -122,6 +122,8 @@ SUITES: list[Suite] = [
           "tools/pre_commit/check_buildkite_step_keys.py", pass_files=False),
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
+    # `fork.py build` then `save` must leave the repository as it is.
+    Suite("save-canonical", "save-check", quick=True),
     Suite("nixl-desc-geometry", "pytest", workers=2, stock=254,
           paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
@@ -481,6 +483,10 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> Result:
             res.note = "empty series"
         elif ok:
             res.note = f"{ok.group(1)} patch(es) reproduce build/vllm"
+    elif suite.kind == "save-check":
+        rc = run_logged([PYTHON, "tools/fork.py", "save", "--check"], ROOT, log, env)
+        res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
+        res.note = "build + save leave the repo unchanged" if rc == 0 else "see log"
     else:
         res = run_pytest(suite.name, suite.paths, suite.marker, suite.workers, log, env)
     if suite.stock is not None:
