@@ -58,6 +58,8 @@ class Session:
     hashes: list[BlockHash] = field(default_factory=list)
     turn: int = 0
     ready_step: int = 0
+    # Answer tokens decoded after the latest finished turn (set by next_turn).
+    answer_tokens: int = 0
 
 
 @dataclass
@@ -127,6 +129,7 @@ class Workload:
         out = int(self.rng.integers(a.output_tokens[0], a.output_tokens[1] + 1))
         tool = int(self.rng.integers(a.tool_tokens[0], a.tool_tokens[1] + 1))
         think = int(self.rng.integers(a.think_steps[0], a.think_steps[1] + 1))
+        session.answer_tokens = out
         if len(session.tokens) + out + tool > a.max_input_tokens:
             return self._new_session(step + think)
         session.tokens.extend(self._tokens(out + tool))
@@ -205,6 +208,9 @@ class PoolSim:
         self.held: deque[tuple[int, Request]] = deque()
         self.waiting: deque[Running] = deque()
         self.done = 0
+        # Called with each finished prefill while its blocks are still held
+        # (e.g. to read its block ids); unused by this script.
+        self.on_finish: Callable[[Running], None] | None = None
 
     def submit(self, request: Request, session: Session) -> None:
         self.waiting.append(Running(request, session))
@@ -263,6 +269,8 @@ class PoolSim:
                     st.run_lengths.append(length)
                     length = 1
             st.run_lengths.append(length)
+        if self.on_finish is not None:
+            self.on_finish(run)
         # P keeps the blocks until the decode rank has pulled them.
         self.held.append((step + self.args.transfer_steps, req))
         self.done += 1
@@ -469,7 +477,8 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-if __name__ == "__main__":
+def build_parser() -> FlexibleArgumentParser:
+    """The command line (also used for its defaults by other benchmarks)."""
     parser = FlexibleArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-blocks", type=int, default=32_000)
     parser.add_argument("--block-size", type=int, default=64)
@@ -510,4 +519,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="block_pool_replay_runs.png")
     parser.add_argument("--quick", action="store_true", help="short run (250 prefills)")
-    main(parser.parse_args())
+    return parser
+
+
+if __name__ == "__main__":
+    main(build_parser().parse_args())

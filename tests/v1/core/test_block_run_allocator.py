@@ -6,12 +6,15 @@ import random
 
 import pytest
 
+from tests.v1.core.utils import create_scheduler
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.block_run_allocator import (
     ALLOCATION_POLICIES,
     ContiguousRunAllocator,
+    _pick_longest_runs,
     count_block_runs,
     make_allocator,
+    resolve_allocation_policy,
 )
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -130,6 +133,10 @@ def test_reverse_freed_cached_blocks_come_back_ascending():
 
 def test_uncached_blocks_are_substituted_for_longer_runs():
     pool = make_pool(128)
+    # Substitution already pays with 8 spares here; the default threshold is
+    # higher only to keep small calls cheap.
+    assert isinstance(pool._run_allocator, ContiguousRunAllocator)
+    pool._run_allocator.min_spares = 8
     blocks = pool.get_new_blocks(127)
     by_id = {b.block_id: b for b in blocks}
     scattered = [40, 3, 50, 20, 60, 25, 70, 30]
@@ -247,6 +254,98 @@ def test_random_churn_keeps_stock_eviction_and_null_block(seed: int):
         assert pool.null_block.prev_free_block is None
 
 
+def reference_pick(spare_ids: list[int], extra_ids: list[int]) -> list[int]:
+    """The first version's pick: sort the candidates, longest runs first."""
+    ordered = sorted(spare_ids + extra_ids)
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    runs.sort(key=lambda run: -run[1])
+    picked: list[int] = []
+    for run_start, run_len in runs:
+        take = min(run_len, len(spare_ids) - len(picked))
+        picked.extend(ordered[run_start : run_start + take])
+        if len(picked) == len(spare_ids):
+            break
+    return sorted(picked)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_linear_pick_matches_reference_pick(seed: int):
+    rng = random.Random(seed)
+    num_spares = rng.choice([8, 32, 100, 500])
+    span = rng.choice([2, 3, 8, 50]) * num_spares
+    ids = rng.sample(range(1, span + 1), 2 * num_spares)
+    spare_ids, extra_ids = ids[:num_spares], ids[num_spares:]
+    expected = reference_pick(spare_ids, extra_ids)
+    pick = _pick_longest_runs(ids, num_spares, min_gain=0.0)
+    if count_block_runs(expected) < count_block_runs(sorted(spare_ids)):
+        # Whenever the runs can shrink, the very same blocks are picked.
+        assert pick is not None
+        flags, picked_ids = pick
+        assert picked_ids == expected
+        assert sorted(i for i, f in zip(ids, flags) if f) == expected
+    else:
+        # Otherwise the popped blocks are kept: as few runs, no queue churn.
+        assert pick is None
+
+
+def test_pick_bails_out_without_adjacent_candidates():
+    # Every other id: no candidate has a neighbour, whatever the gain bar.
+    ids = list(range(1, 400, 2))
+    random.Random(0).shuffle(ids)
+    assert _pick_longest_runs(ids, 100, min_gain=0.0) is None
+    # One run can grow by one block: below the default bar, above zero.
+    spare_ids = [1, *range(10, 208, 2)]
+    extra_ids = [2, *range(300, 498, 2)]
+    assert _pick_longest_runs(spare_ids + extra_ids, 100, min_gain=0.25) is None
+    pick = _pick_longest_runs(spare_ids + extra_ids, 100, min_gain=0.0)
+    assert pick is not None and count_block_runs(pick[1]) == 99
+
+
+def queue_ids(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "sparse"])
+def test_no_gain_leaves_queue_as_stock(layout: str):
+    """Bail-out: no substitution when runs cannot (or barely) grow."""
+    rng = random.Random(1)
+    pools = {p: make_pool(16384, p) for p in ("queue", "contiguous")}
+    for pool in pools.values():
+        blocks = pool.get_new_blocks(16383)
+        by_id = {b.block_id: b for b in blocks}
+        if layout == "interleaved":
+            free = list(range(1, 16384, 2))
+        else:  # random ids: a few neighbours, far from a quarter fewer runs
+            free = random.Random(0).sample(range(1, 16384), 2500)
+        rng.seed(2)
+        rng.shuffle(free)
+        pool.free_blocks([by_id[i] for i in free])
+    stock = [b.block_id for b in pools["queue"].get_new_blocks(1024)]
+    runs = [b.block_id for b in allocate_and_check(pools["contiguous"], 1024)]
+    assert runs == sorted(stock)
+    assert queue_ids(pools["contiguous"]) == queue_ids(pools["queue"])
+
+
+def test_runs_behind_a_large_pop_are_used():
+    """The sampled gain estimate lets a large allocation take runs behind."""
+    pool = make_pool(4096)
+    blocks = pool.get_new_blocks(4095)
+    by_id = {b.block_id: b for b in blocks}
+    scattered = list(range(1, 2048, 4))  # 512 singletons
+    behind = list(range(2100, 2612)) + list(range(3000, 3016))
+    pool.free_blocks([by_id[i] for i in scattered + behind])
+    assert free_ids(pool)[:512] == scattered
+    ret = allocate_and_check(pool, 512)
+    assert [b.block_id for b in ret] == list(range(2100, 2612))
+    # All popped spares go back to the head in order, then the unused extras.
+    assert free_ids(pool) == scattered + list(range(3000, 3016))
+
+
 def test_runs_counting():
     assert count_block_runs([]) == 0
     assert count_block_runs([5]) == 1
@@ -262,6 +361,9 @@ def test_policy_selection(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ValueError, match="'lifo'.*queue.*contiguous"):
         make_allocator("lifo", make_pool(4, "queue"))
 
+    monkeypatch.delenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", raising=False)
+    # "auto" (the default) is "queue" until a KV connector is configured.
+    assert BlockPool(4, True, 16)._run_allocator is None
     monkeypatch.setenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", "queue")
     assert BlockPool(4, True, 16)._run_allocator is None
     monkeypatch.setenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", "contiguous")
@@ -269,6 +371,53 @@ def test_policy_selection(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", "bogus")
     with pytest.raises(ValueError, match="'bogus'.*VLLM_BLOCK_POOL_ALLOCATION_POLICY"):
         BlockPool(4, True, 16)
+
+
+def test_resolve_allocation_policy(monkeypatch: pytest.MonkeyPatch):
+    for connector in (False, True):
+        assert resolve_allocation_policy("queue", connector) == "queue"
+        assert resolve_allocation_policy("contiguous", connector) == "contiguous"
+    assert resolve_allocation_policy("auto", False) == "queue"
+    assert resolve_allocation_policy("auto", True) == "contiguous"
+    monkeypatch.delenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", raising=False)
+    assert resolve_allocation_policy(None, True) == "contiguous"
+    with pytest.raises(ValueError, match="'lifo'.*auto.*queue.*contiguous"):
+        resolve_allocation_policy("lifo", True)
+
+
+def test_auto_policy_without_kv_connector_allocates_like_queue(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.delenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", raising=False)
+    pools = {"queue": make_pool(64, "queue"), "auto": make_pool(64, "auto")}
+    pools["default"] = BlockPool(64, True, 16)
+    got = {}
+    for name, pool in pools.items():
+        blocks = pool.get_new_blocks(20)
+        cache(pool, blocks)
+        pool.free_blocks(reversed(blocks))
+        pool.get_new_blocks(pool.get_num_free_blocks() - 20)
+        got[name] = [b.block_id for b in pool.get_new_blocks(12)]
+    assert got["queue"] == list(range(20, 8, -1))
+    assert got["auto"] == got["default"] == got["queue"]
+    # With a KV connector, "auto" hands out runs.
+    auto = make_pool(64, "auto")
+    auto.set_kv_connector_configured()
+    assert isinstance(auto._run_allocator, ContiguousRunAllocator)
+    # Explicit settings are kept.
+    stock = make_pool(64, "queue")
+    stock.set_kv_connector_configured()
+    assert stock._run_allocator is None
+
+
+@pytest.mark.parametrize("use_kv_connector", [False, True])
+def test_scheduler_resolves_auto_policy(
+    monkeypatch: pytest.MonkeyPatch, use_kv_connector: bool
+):
+    monkeypatch.delenv("VLLM_BLOCK_POOL_ALLOCATION_POLICY", raising=False)
+    scheduler = create_scheduler(use_kv_connector=use_kv_connector)
+    allocator = scheduler.kv_cache_manager.block_pool._run_allocator
+    assert isinstance(allocator, ContiguousRunAllocator) == use_kv_connector
 
 
 def test_policy_is_not_a_compile_factor(monkeypatch: pytest.MonkeyPatch):

@@ -18,6 +18,7 @@ the pages, and every other byte of the decode side must still be zero.
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -169,6 +170,26 @@ def count_runs(block_ids: Sequence[int]) -> int:
     if ids.size == 0:
         return 0
     return int(np.count_nonzero(np.diff(ids) != 1)) + 1
+
+
+# The scaled-down GLM-5.3-like row of the real-NIXL tests (CPU and GPU).
+NUM_BLOCKS = 256
+# Pages scaled down from GLM-5.3 (41,984 B MLA, 8,448 B indexer), 64 B aligned.
+MLA_PAGE = 64 * 11
+INDEXER_PAGE = 64 * 2
+NUM_MLA, NUM_INDEXER = 78, 23
+STOCK_REGIONS = NUM_MLA + NUM_INDEXER + 1
+
+
+def fragmented_block_ids(seed: int = 0) -> list[int]:
+    """Scattered single blocks plus a few runs of ``NUM_BLOCKS``, in order."""
+    rng = random.Random(seed)
+    runs = [range(40, 52), range(130, 133), range(200, 208)]
+    taken = {block for run in runs for block in run}
+    singles = rng.sample(sorted(set(range(NUM_BLOCKS)) - taken), 45)
+    ids = sorted(singles + sorted(taken))
+    assert count_runs(ids) < len(ids)
+    return ids
 
 
 def _probe_read() -> None:

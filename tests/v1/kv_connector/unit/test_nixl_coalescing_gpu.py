@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Coalesced NIXL regions on a GPU (skipped without CUDA).
 
-1. VRAM: the scaled-down GLM-5.3-like layout of ``test_nixl_coalescing_real``
+1. VRAM: the scaled-down GLM-5.3-like layout of ``nixl_real_transfer``
    (synthetic two-storage row) allocated in GPU memory, registered by the real
    pull-worker code with real NIXL agents, and a fragmented request pulled by
    the decoder's own read path between the two GPU buffers, compared byte for
@@ -33,21 +33,19 @@ from .nixl_coalescing_layouts import (  # noqa: E402
     make_worker,
 )
 from .nixl_real_transfer import (  # noqa: E402
-    connect,
-    count_runs,
-    fill_pattern,
-    probe_real_nixl,
-    pull_request,
-    verify_and_reset,
-)
-from .test_nixl_coalescing_real import (  # noqa: E402
     INDEXER_PAGE,
     MLA_PAGE,
     NUM_BLOCKS,
     NUM_INDEXER,
     NUM_MLA,
     STOCK_REGIONS,
+    connect,
+    count_runs,
+    fill_pattern,
     fragmented_block_ids,
+    probe_real_nixl,
+    pull_request,
+    verify_and_reset,
 )
 
 requires_cuda = pytest.mark.skipif(

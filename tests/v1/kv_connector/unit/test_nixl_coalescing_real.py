@@ -33,35 +33,23 @@ from .nixl_coalescing_layouts import (  # noqa: E402
     make_worker,
 )
 from .nixl_real_transfer import (  # noqa: E402
+    INDEXER_PAGE,
+    MLA_PAGE,
+    NUM_BLOCKS,
+    NUM_INDEXER,
+    NUM_MLA,
+    STOCK_REGIONS,
     PullResult,
     connect,
     count_runs,
     fill_pattern,
+    fragmented_block_ids,
     probe_real_nixl,
     pull_request,
     zero,
 )
 
 pytestmark = pytest.mark.cpu_test
-
-NUM_BLOCKS = 256
-# Pages scaled down from GLM-5.3 (41,984 B MLA, 8,448 B indexer), 64 B aligned.
-MLA_PAGE = 64 * 11
-INDEXER_PAGE = 64 * 2
-NUM_MLA, NUM_INDEXER = 78, 23
-STOCK_REGIONS = NUM_MLA + NUM_INDEXER + 1
-
-
-def fragmented_block_ids(seed: int = 0) -> list[int]:
-    """Scattered single blocks plus a few runs, in request order."""
-    rng = random.Random(seed)
-    runs = [range(40, 52), range(130, 133), range(200, 208)]
-    taken = {block for run in runs for block in run}
-    singles = rng.sample(sorted(set(range(NUM_BLOCKS)) - taken), 45)
-    ids = sorted(singles + sorted(taken))
-    assert count_runs(ids) < len(ids)
-    return ids
-
 
 BLOCK_IDS = fragmented_block_ids()
 RUNS = count_runs(BLOCK_IDS)
