@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -39,7 +41,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from fork import BASE_TAG, ROOT, TREE, load_manifest
@@ -120,10 +122,15 @@ SUITES: list[Suite] = [
           "tools/pre_commit/check_test_tethering.py"),
     _lint("buildkite-step-keys", r"^\.buildkite/.*\.ya?ml$", "{py}",
           "tools/pre_commit/check_buildkite_step_keys.py", pass_files=False),
+    # Upstream's pre-commit hook (markdownlint-cli2, its config), on docs.
+    _lint("markdownlint", r"\.md$", "{markdownlint}", "--config",
+          "tools/pre_commit/.markdownlint.yaml"),
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
+    # Every shorter prefix of the series: its patch's lint and tests there.
+    Suite("bisect", "bisect"),
     Suite("nixl-desc-geometry", "pytest", workers=2, stock=254,
           paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
@@ -286,16 +293,18 @@ def load_baseline() -> collections.Counter[str]:
     return counts
 
 
-def run_mypy(files: list[str], log: Path, env: dict[str, str]) -> tuple[bool, str]:
-    errors = mypy_errors(TREE, files, log, env)
+def run_mypy(
+    tree: Path, files: list[str], log: Path, env: dict[str, str]
+) -> tuple[int, int]:
+    """mypy on ``files`` in ``tree``: (new errors, stock errors ignored)."""
+    errors = mypy_errors(tree, files, log, env)
     new = errors - load_baseline()
     known = sum(errors.values()) - sum(new.values())
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"\n{known} stock error(s) ignored (tools/mypy_baseline.txt)\n")
         for err in sorted(new.elements()):
             f.write(f"NEW: {err}\n")
-    note = f"{known} stock errors ignored" if known else ""
-    return not new, note
+    return sum(new.values()), known
 
 
 def update_mypy_baseline() -> int:
@@ -367,19 +376,22 @@ def typos_found(
 
 
 def run_typos(
-    suite: Suite, files: list[str], log: Path, env: dict[str, str]
-) -> tuple[bool, str]:
+    suite: Suite, tree: Path, files: list[str], log: Path, env: dict[str, str]
+) -> tuple[int, int]:
     """typos on the touched files; typos the release already had are ignored.
 
     typos checks whole files, so touching an upstream file with a stock typo
     would otherwise fail; upstream's pre-commit has the same blind spot.
+
+    Returns:
+        (new typos, stock typos ignored); new is -1 if typos crashed.
     """
-    cmd = [*suite.cmd, "--config", str(TREE / "pyproject.toml")]
-    found = typos_found([*cmd, *files], TREE, log, env)
+    cmd = [*suite.cmd, "--config", str(tree / "pyproject.toml")]
+    found = typos_found([*cmd, *files], tree, log, env)
     if found is None:
-        return False, "typos crashed"
+        return -1, 0
     if not found:
-        return True, ""
+        return 0, 0
     stock: collections.Counter[str] = collections.Counter()
     old = [f for f in files if git_ok("cat-file", "-e", f"{BASE_TAG}:{f}")]
     if old:
@@ -395,84 +407,268 @@ def run_typos(
         out.write(f"\n{known} typo(s) already in {BASE_TAG} ignored\n")
         for err in sorted(new.elements()):
             out.write(f"NEW: {err}\n")
-    return not new, f"{known} stock typos ignored" if known else ""
+    return sum(new.values()), known
 
 
 # --------------------------------------------------------------------------
 # suite runners
 
 
+MARKDOWNLINT = CACHE / "node" / "node_modules" / ".bin" / "markdownlint-cli2"
+# A finding as the lint tools print it: 'path:line[:col]...' (ruff, mypy,
+# typos, markdownlint) or ruff format's 'Would reformat: path'.
+FINDING = re.compile(r"^(\S+?:\d+(:\d+)?[: ]|Would reformat: |\S+: missing SPDX)")
+
+
+def project_markdown() -> list[Path]:
+    """README.md and series/covers/*.md of this repository."""
+    return [ROOT / "README.md", *sorted((ROOT / "series" / "covers").glob("*.md"))]
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 file', '2 files'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def count_findings(text: str) -> int:
+    """Findings in a lint tool's output (one per reported location)."""
+    return sum(1 for ln in text.splitlines() if FINDING.match(ln.strip()))
+
+
+def lint_files(suite: Suite, touched: list[str]) -> list[str]:
+    pattern = re.compile(suite.files) if suite.files else None
+    return [f for f in touched if pattern is None or pattern.search(f)]
+
+
+def lint_in(
+    suite: Suite, tree: Path, files: list[str], log: Path, env: dict[str, str]
+) -> tuple[bool, int, str]:
+    """Run one lint tool in ``tree``: (ok, findings, extra note)."""
+    if suite.name == "lint:mypy":
+        new, known = run_mypy(tree, files, log, env)
+        return not new, new, f"{known} stock errors ignored" if known else ""
+    if suite.name == "lint:typos":
+        new, known = run_typos(suite, tree, files, log, env)
+        if new < 0:
+            return False, 1, "typos crashed"
+        return not new, new, f"{known} stock typos ignored" if known else ""
+    cmd = [
+        {"{py}": PYTHON, "{markdownlint}": str(MARKDOWNLINT)}.get(c, c)
+        for c in suite.cmd
+    ]
+    if suite.pass_files:
+        cmd += files
+    proc = subprocess.run(
+        cmd, cwd=tree, env=env, capture_output=True, text=True, errors="replace"
+    )
+    output = proc.stdout + proc.stderr
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ {' '.join(cmd)}\n{output}")
+    ok = proc.returncode == 0
+    findings = count_findings(output)
+    return ok, findings if findings or ok else 1, ""
+
+
 def run_lint(
     suite: Suite, touched: list[str], log: Path, env: dict[str, str]
 ) -> Result:
     res = Result(suite.name)
-    pattern = re.compile(suite.files) if suite.files else None
-    files = [f for f in touched if pattern is None or pattern.search(f)]
+    files = lint_files(suite, touched)
     if not files:
-        res.passed, res.note = 1, "no files"
+        res.passed, res.note = 1, "no files to check"
         return res
-    ok: bool
-    if suite.name == "lint:mypy":
-        ok, res.note = run_mypy(files, log, env)
-    elif suite.name == "lint:typos":
-        ok, res.note = run_typos(suite, files, log, env)
-    else:
-        cmd = [PYTHON if c == "{py}" else c for c in suite.cmd]
-        if suite.pass_files:
-            cmd += files
-        ok = run_logged(cmd, TREE, log, env) == 0
-    if not res.note:
-        res.note = f"{len(files)} file(s)"
+    if suite.name == "lint:markdownlint" and not MARKDOWNLINT.exists():
+        res.skipped = 1
+        res.note = "markdownlint-cli2 not installed (setup_env.sh needs npm)"
+        return res
+    if suite.name == "lint:markdownlint":
+        # The project's own markdown too: README and the PR descriptions.
+        files += [str(f) for f in project_markdown()]
+    ok, findings, extra = lint_in(suite, TREE, files, log, env)
+    res.note = f"{plural(len(files), 'file')}, {plural(findings, 'finding')}"
+    if extra:
+        res.note += f" ({extra})"
     res.passed, res.failed = (1, 0) if ok else (0, 1)
     return res
 
 
-def parse_junit(path: Path) -> tuple[int, int, int]:
-    """(passed, failed incl. errors, skipped) from a junit xml file."""
+@dataclass
+class JunitCounts:
+    """What one junit xml file says."""
+
+    passed: int = 0
+    failed: int = 0  # failures and errors
+    skipped: int = 0
+    skip_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def parse_junit(path: Path) -> JunitCounts:
+    """Counts and skip reasons from a junit xml file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    tests = failed = skipped = 0
+    counts = JunitCounts()
+    tests = 0
     for s in suites:
         tests += int(s.get("tests", 0))
-        failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
-        skipped += int(s.get("skipped", 0))
-    return tests - failed - skipped, failed, skipped
+        counts.failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
+        counts.skipped += int(s.get("skipped", 0))
+        for skip in s.iter("skipped"):
+            reason = (skip.get("message") or skip.text or "no reason").strip()
+            counts.skip_reasons[reason.removeprefix("Skipped: ")[:80]] += 1
+    counts.passed = tests - counts.failed - counts.skipped
+    return counts
+
+
+def skip_note(reasons: collections.Counter[str]) -> str:
+    """'skipped: reason (n); ...' for the table, most frequent first."""
+    if not reasons:
+        return ""
+    shown = [f"{why} ({n})" for why, n in reasons.most_common(2)]
+    more = len(reasons) - len(shown)
+    return "skipped: " + "; ".join(shown) + (f"; +{more} more" if more > 0 else "")
 
 
 def run_pytest(
     name: str, paths: Sequence[str], marker: str | None, workers: int,
-    log: Path, env: dict[str, str],
+    log: Path, env: dict[str, str], cwd: Path = TREE / "tests",
 ) -> Result:  # fmt: skip
     res = Result(name)
     if not paths:  # pytest without paths would collect all of tests/
         raise ValueError(f"suite {name}: no test paths")
-    junit = RESULTS / f"{name}.xml"
+    junit = RESULTS / f"{name.replace(':', '-')}.xml"
     junit.unlink(missing_ok=True)
-    cmd = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+    cmd = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
            f"--junitxml={junit}", *paths]  # fmt: skip
     if marker:
         cmd += ["-m", marker]
     if workers:
         cmd += ["-n", str(workers)]
-    rc = run_logged(cmd, TREE / "tests", log, env)
+    rc = run_logged(cmd, cwd, log, env)
+    notes = [plural(len(paths), "file")]
     if junit.exists():
-        res.passed, res.failed, res.skipped = parse_junit(junit)
+        counts = parse_junit(junit)
+        res.passed, res.failed, res.skipped = (
+            counts.passed, counts.failed, counts.skipped
+        )  # fmt: skip
+        if counts.skip_reasons:
+            notes.append(skip_note(counts.skip_reasons))
     if rc == 5:
-        res.note = "exit 5: no tests collected"
+        notes.append("exit 5: no tests collected")
     elif rc != 0 and res.failed == 0:
-        res.failed, res.note = 1, f"pytest exit {rc}"
+        res.failed = 1
+        notes.append(f"pytest exit {rc}")
+    res.note = "; ".join(notes)
     return res
 
 
-def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> Result:
+# --------------------------------------------------------------------------
+# bisect: every shorter prefix of the series passes its own tests and lint
+
+BISECT_LINTS = ("lint:ruff-check", "lint:ruff-format", "lint:mypy",
+                "lint:spdx-header", "lint:markdownlint")  # fmt: skip
+
+
+def patch_test_files(commit: str) -> list[str]:
+    """Test modules the commit adds or changes, relative to tests/."""
+    files = git_lines(
+        "diff", "--name-only", "--no-renames", "--diff-filter=AM",
+        f"{commit}^", commit,
+    )  # fmt: skip
+    return [
+        f[len("tests/") :]
+        for f in files
+        if f.startswith("tests/") and Path(f).name.startswith("test_")
+        and f.endswith(".py")
+    ]  # fmt: skip
+
+
+def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
+    """One row per series prefix short of HEAD (HEAD is every other suite).
+
+    In a detached worktree at the prefix's last commit: the lint tools of
+    BISECT_LINTS over what the prefix touches, that patch's own test modules
+    (added or changed), and ``--help`` of any script it adds under
+    benchmarks/ (a smoke test: the script imports at that point).
+    """
+    commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
+    results: list[Result] = []
+    worktree = ROOT / "build" / "bisect"
+    by_name = {s.name: s for s in SUITES}
+    names = [patch.name for patch in load_manifest().patches]
+    for k, commit in enumerate(commits[:-1], start=1):
+        subject = git_lines("log", "-1", "--format=%s", commit)[0]
+        slug = names[k - 1] if k <= len(names) else "unsaved"
+        res = Result(f"bisect:{k:04d}-{slug}")
+        start = time.monotonic()
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                       cwd=TREE, capture_output=True)  # fmt: skip
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
+                        commit], cwd=TREE, check=True)  # fmt: skip
+        wenv = dict(env, PYTHONPATH=str(worktree))
+        try:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(f"\n=== prefix {k}: {commit[:12]} {subject}\n")
+            touched = [
+                f for f in git_lines(
+                    "diff", "--name-only", "--no-renames", "--diff-filter=d",
+                    f"{BASE_TAG}..{commit}",
+                ) if not PRECOMMIT_EXCLUDE.match(f)
+            ]  # fmt: skip
+            lint_bad: list[str] = []
+            checked = 0
+            for name in BISECT_LINTS:
+                suite = by_name[name]
+                files = lint_files(suite, touched)
+                if not files or (
+                    name == "lint:markdownlint" and not MARKDOWNLINT.exists()
+                ):
+                    continue
+                ok, _, _ = lint_in(suite, worktree, files, log, wenv)
+                checked += 1
+                if not ok:
+                    lint_bad.append(name.removeprefix("lint:"))
+            tests = patch_test_files(commit)
+            notes = [plural(checked, "lint tool")]
+            if tests:
+                sub = run_pytest(res.name, tests, None, 2, log, wenv,
+                                 cwd=worktree / "tests")  # fmt: skip
+                res.passed, res.failed, res.skipped = (
+                    sub.passed, sub.failed, sub.skipped
+                )  # fmt: skip
+                notes.append(plural(len(tests), "test file"))
+            added = git_lines(
+                "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit
+            )
+            for script in (
+                f for f in added if f.startswith("benchmarks/") and f.endswith(".py")
+            ):
+                rc = run_logged([PYTHON, script, "--help"], worktree, log, wenv)
+                res.passed += int(rc == 0)
+                res.failed += int(rc != 0)
+                notes.append(f"{Path(script).name} --help")
+            if lint_bad:
+                res.failed += 1
+                notes.append("lint failed: " + ", ".join(lint_bad))
+            res.note = "; ".join(notes)
+            res.seconds = time.monotonic() - start
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                           cwd=TREE, check=False, capture_output=True)  # fmt: skip
+        results.append(res)
+    return results
+
+
+def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Result]:
     log = RESULTS / f"{suite.name.replace(':', '-')}.log"
     log.write_text("", encoding="utf-8")
+    if suite.kind == "bisect":
+        return run_bisect(log, env)
     if suite.kind == "lint":
         res = run_lint(suite, touched, log, env)
     elif suite.kind == "series":
         paths = series_test_files()
         if not paths:
-            return Result(suite.name, note="no series test files")
+            return [Result(suite.name, note="no series test files")]
         res = run_pytest(suite.name, paths, suite.marker, suite.workers, log, env)
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
@@ -490,9 +686,9 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> Result:
     else:
         res = run_pytest(suite.name, suite.paths, suite.marker, suite.workers, log, env)
     if suite.stock is not None:
-        stock = f"stock {suite.stock}"
+        stock = f"stock {suite.stock} passed"
         res.note = f"{res.note}; {stock}" if res.note else stock
-    return res
+    return [res]
 
 
 def print_table(results: list[Result]) -> None:
@@ -527,6 +723,19 @@ def print_table(results: list[Result]) -> None:
     print(fmt(rows[-1]))
     # The plain closing line CI runners read for the outcome.
     print(f"\n{total.passed} passed, {total.failed} failed, {total.skipped} skipped")
+
+
+def write_summary(results: list[Result]) -> None:
+    """build/test-results/summary.json: the table, for cover letters."""
+    head = git_lines("rev-parse", "HEAD")[0]
+    data = {
+        "fork_head": head,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "suites": [dataclasses.asdict(r) for r in results],
+    }
+    (RESULTS / "summary.json").write_text(
+        json.dumps(data, indent=2) + "\n", encoding="utf-8"
+    )
 
 
 def select(suites: list[Suite], only: str | None, quick: bool) -> list[Suite]:
@@ -587,15 +796,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, suite in enumerate(suites, start=1):
         print(f"[{i}/{len(suites)}] {suite.name} ...", end=" ", flush=True)
         start = time.monotonic()
-        res = run_suite(suite, touched, env)
-        res.seconds = time.monotonic() - start
-        results.append(res)
-        status = "FAIL" if res.failed else "ok"
-        print(f"{status} ({res.passed} passed, {res.failed} failed, "
-              f"{res.skipped} skipped, {res.seconds:.1f}s)", flush=True)  # fmt: skip
-        if res.failed:
+        rows = run_suite(suite, touched, env)
+        elapsed = time.monotonic() - start
+        if len(rows) == 1:
+            rows[0].seconds = elapsed
+        results.extend(rows)
+        passed = sum(r.passed for r in rows)
+        failed = sum(r.failed for r in rows)
+        skipped = sum(r.skipped for r in rows)
+        status = "FAIL" if failed else "ok"
+        print(f"{status} ({passed} passed, {failed} failed, "
+              f"{skipped} skipped, {elapsed:.1f}s)", flush=True)  # fmt: skip
+        if failed:
             log = RESULTS / f"{suite.name.replace(':', '-')}.log"
             print(f"  log: {log.relative_to(ROOT)}\n{tail(log)}", flush=True)
+    write_summary(results)
     print_table(results)
     return 1 if any(r.failed for r in results) else 0
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# Create (or check) the project environment: a venv with a CPU torch and the
+# Create (or check) the project environment: a venv with torch 2.13.0 and the
 # subset of vLLM's Python deps its CPU unit tests import, the vLLM release
-# sdist in build/cache, and a tiny offline HF cache for facebook/opt-125m.
+# sdist in build/cache, upstream's markdownlint-cli2 (npm, build/cache/node)
+# and a tiny offline HF cache for facebook/opt-125m. Python 3.11 to 3.14
+# (vLLM 0.33.0 declares >=3.11,<3.15).
 #
 # Idempotent: when the venv's stamp matches the pinned constraints and this
 # script, it only re-verifies the sdist and HF config (well under a second).
@@ -12,10 +14,12 @@
 #   bash tools/setup_env.sh --freeze   # also rewrite env/constraints.txt
 #
 # Environment: ENV_DIR (venv, default .venv), HF_DIR (default build/hf),
-# PYTHON (interpreter for the venv, default python3, >= 3.11),
-# TORCH_FIND_LINKS (dir holding the torch 2.13.0+cpu wheel, default
-# /opt/wheels), TORCH_INDEX_URL (optional extra index with that wheel, e.g.
-# https://download.pytorch.org/whl/cpu).
+# PYTHON (interpreter for the venv, default python3, 3.11-3.14),
+# TORCH_FIND_LINKS (dir holding a torch 2.13.0+cpu wheel for that Python,
+# default /opt/wheels), TORCH_INDEX_URL (optional extra index with one, e.g.
+# https://download.pytorch.org/whl/cpu). With neither, torch==2.13.0 comes
+# from PyPI (its default build, which bundles CUDA libraries: a larger
+# download that runs on CPU all the same).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -27,6 +31,9 @@ PYTHON=${PYTHON:-python3}
 TORCH_FIND_LINKS=${TORCH_FIND_LINKS:-/opt/wheels}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 UV_VERSION=0.13.9
+# Upstream's markdownlint hook (.pre-commit-config.yaml rev), from npm.
+MARKDOWNLINT_VERSION=0.21.0
+MARKDOWNLINT=build/cache/node/node_modules/.bin/markdownlint-cli2
 CONSTRAINTS=env/constraints.txt
 LOG=build/setup_env.log
 SDIST=build/cache/vllm-0.33.0.tar.gz
@@ -48,8 +55,10 @@ TEST_PKGS=(
   types-PyYAML types-requests
 )
 # Installed without deps: xgrammar would pull a 1 GB triton, plain nixl an
-# unpinned CUDA torch.
-NODEPS_PKGS=(xgrammar==0.2.8 nixl==1.5.1 nixl-cu13==1.5.1)
+# unpinned CUDA torch. NIXL's version is the release's own pin
+# (requirements/kv_connectors.txt), the one upstream CI installs.
+NODEPS_PKGS=(xgrammar==0.2.8)
+KV_CONNECTORS_TXT=build/cache/vllm-0.33.0-kv_connectors.txt
 
 FREEZE=0
 for arg in "$@"; do
@@ -61,16 +70,35 @@ done
 
 die() { echo "setup_env: $*" >&2; exit 1; }
 
+# The line of the log that says why a step failed, and what it means.
+failure_cause() {
+  local line
+  # Resolution failures first: a wheel/Python/platform mismatch is not a
+  # network problem, whatever else the log says.
+  line=$(grep -iE "no solution found|not compatible|no wheels? (with|for)|\
+doesn't have|requires-python|unsupported platform|is not a supported wheel" "$LOG" \
+    | tail -n 1 | sed 's/^[[:space:]]*//' | cut -c1-220)
+  if [[ -n $line ]]; then
+    echo "$line"
+    return
+  fi
+  line=$(grep -iE "failed to fetch|connection|unreachable|refused|timed? ?out|\
+dns|resolve host|network" "$LOG" | tail -n 1 | sed 's/^[[:space:]]*//' | cut -c1-200)
+  if [[ -n $line ]]; then
+    echo "$line (no network or package index unreachable: check connectivity/proxy)"
+    return
+  fi
+  grep -iE "error|failed" "$LOG" | tail -n 1 | sed 's/^[[:space:]]*//' | cut -c1-220
+}
+
 # Run a step, logging its output; on failure print one line and exit.
 step() {
   local what=$1; shift
   echo "--- $what: $*" >>"$LOG"
   if ! "$@" >>"$LOG" 2>&1; then
-    local last
-    last=$(grep -iE 'error|failed|unreachable|refused|resolve|timed? ?out' "$LOG" \
-      | tail -n 1 | cut -c1-200)
-    die "$what failed: ${last:-see log}; likely no network / PyPI unreachable" \
-      "(check connectivity/proxy, then rerun); full log: $LOG"
+    local cause
+    cause=$(failure_cause)
+    die "$what failed: ${cause:-see log}; full log: $LOG"
   fi
 }
 
@@ -99,7 +127,8 @@ EOF
 
 # Fast path: everything already in place.
 STAMP=$ENV_DIR/.setup-env-stamp
-if [[ $FREEZE == 0 && -x $VPY && -f $STAMP && "$(cat "$STAMP")" == "$(stamp_key)" ]]; then
+if [[ $FREEZE == 0 && -x $VPY && -f $STAMP && "$(cat "$STAMP")" == "$(stamp_key)" ]] \
+    && { [[ -x $MARKDOWNLINT ]] || ! command -v npm >/dev/null; }; then
   "$VPY" tools/fork.py fetch >/dev/null || exit 1
   write_hf_config
   echo "setup_env: $ENV_DIR up to date"
@@ -109,8 +138,9 @@ fi
 : >"$LOG"
 echo "setup_env: creating $ENV_DIR (log: $LOG)"
 if [[ ! -x $VPY ]]; then
-  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null \
-    || die "$PYTHON is missing or older than 3.11; set PYTHON=python3.11"
+  "$PYTHON" -c 'import sys; assert (3, 11) <= sys.version_info < (3, 15)' \
+    2>/dev/null || die "$PYTHON is missing or not Python 3.11-3.14 (vLLM" \
+    "0.33.0 supports >=3.11,<3.15); set PYTHON=python3.12, for example"
   step "python -m venv" "$PYTHON" -m venv "$ENV_DIR"
 fi
 if [[ "$("$ENV_DIR/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
@@ -124,12 +154,26 @@ if [[ -n $TORCH_INDEX_URL ]]; then
   UV_ARGS+=(--extra-index-url "$TORCH_INDEX_URL" --index-strategy unsafe-best-match)
 fi
 if [[ -f $CONSTRAINTS ]]; then
-  UV_ARGS+=(-c "$CONSTRAINTS")
+  # Pinned as frozen here, but torch==2.13.0 without the "+cpu" label: a
+  # local CPU wheel still wins (uv prefers it), PyPI's build serves elsewhere.
+  sed -E 's/^(torch==[0-9.]+)\+cpu$/\1/' "$CONSTRAINTS" >build/cache/constraints.txt
+  UV_ARGS+=(-c build/cache/constraints.txt)
 fi
-if ! ls "$TORCH_FIND_LINKS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 \
+# torch 2.13.0: a CPU wheel for this Python from TORCH_FIND_LINKS or
+# TORCH_INDEX_URL when there is one, else the default build from PyPI (larger,
+# bundles CUDA libraries, runs on CPU all the same).
+PYTAG=$("$VPY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+if ! ls "$TORCH_FIND_LINKS"/torch-2.13.0*-"$PYTAG"-"$PYTAG"-*.whl >/dev/null 2>&1 \
     && [[ -z $TORCH_INDEX_URL ]] && ! "$VPY" -c 'import torch' 2>/dev/null; then
-  die "no torch 2.13.0+cpu wheel in $TORCH_FIND_LINKS; set TORCH_FIND_LINKS to" \
-    "a dir holding it or TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+  other=$(cd "$TORCH_FIND_LINKS" 2>/dev/null && ls torch-2.13.0*.whl 2>/dev/null \
+    | head -n 1 || true)
+  if [[ -n $other ]]; then
+    echo "setup_env: $TORCH_FIND_LINKS/$other is not for this Python ($PYTAG);" \
+      "installing torch==2.13.0 from PyPI instead"
+  else
+    echo "setup_env: no torch 2.13.0 wheel in $TORCH_FIND_LINKS and no" \
+      "TORCH_INDEX_URL; installing torch==2.13.0 from PyPI (large download)"
+  fi
 fi
 uvpip() { "$ENV_DIR/bin/uv" pip install "${UV_ARGS[@]}" "$@"; }
 
@@ -139,9 +183,14 @@ step "fetch sdist" "$VPY" tools/fork.py fetch
 tar -xzf "$SDIST" -O vllm-0.33.0/requirements/common.txt >"$COMMON_TXT" \
   || die "cannot read requirements/common.txt from $SDIST"
 step "install test deps" uvpip -c "$COMMON_TXT" "${TEST_PKGS[@]}"
+tar -xzf "$SDIST" -O vllm-0.33.0/requirements/kv_connectors.txt >"$KV_CONNECTORS_TXT" \
+  || die "cannot read requirements/kv_connectors.txt from $SDIST"
+NIXL_VERSION=$(sed -nE 's/^nixl *== *([0-9.]+).*/\1/p' "$KV_CONNECTORS_TXT")
+[[ -n $NIXL_VERSION ]] || die "no 'nixl == X' pin in requirements/kv_connectors.txt"
+NODEPS_PKGS+=("nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION")
 step "install no-deps pkgs" uvpip --no-deps "${NODEPS_PKGS[@]}"
-"$VPY" -c 'import torch; assert torch.__version__.endswith("+cpu"), torch.__version__' \
-  || die "torch in $ENV_DIR is not the 2.13.0 CPU build"
+"$VPY" -c 'import torch; assert torch.__version__.split("+")[0] == "2.13.0", torch.__version__' \
+  || die "torch in $ENV_DIR is not 2.13.0"
 
 if [[ $FREEZE == 1 || ! -f $CONSTRAINTS ]]; then
   mkdir -p env
@@ -150,6 +199,12 @@ if [[ $FREEZE == 1 || ! -f $CONSTRAINTS ]]; then
     "$ENV_DIR/bin/uv" pip freeze --python "$VPY" 2>/dev/null
   } >"$CONSTRAINTS"
   echo "setup_env: wrote $CONSTRAINTS"
+fi
+if command -v npm >/dev/null; then
+  step "npm install markdownlint-cli2" npm install --prefix build/cache/node \
+    --no-audit --no-fund --silent "markdownlint-cli2@$MARKDOWNLINT_VERSION"
+else
+  echo "setup_env: npm not found; the markdownlint lint row will be skipped"
 fi
 write_hf_config
 stamp_key >"$STAMP"

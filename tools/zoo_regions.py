@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"| P -> D ({args.layers} layers) | regions (stock) | read as (coalescing D) |"
     )
-    print("|---|---|---|")
+    print("| --- | --- | --- |")
     for row in rows:
         label = f"{row['prefill']} -> {row['decode']}"
         if row["synthetic"]:
