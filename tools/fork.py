@@ -48,6 +48,10 @@ FIXED_DATE = "2026-01-01T00:00:00+00:00"
 # are reproducible, and never exported as anyone's sign-off. `export` authors
 # and signs off every patch as `git config user.name/user.email`.
 BUILD_IDENTITY = ("vLLM NIXL series (local build)", "build@localhost.invalid")
+# The series was written with an AI assistant; upstream's contributing guide
+# asks for a trailer on every such commit (and a note in the PR description,
+# which the cover letters carry).
+AI_TRAILER = "Co-authored-by: Claude"
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "series" / "manifest.toml"
@@ -588,11 +592,16 @@ def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
                 count=1,
                 flags=re.M,
             )
+        # docs/contributing/README.md, "AI Assisted Contributions": mark commits.
+        signoff = f"\nSigned-off-by: {name} <{email}>"
+        rest = rest.replace(signoff, f"\n{AI_TRAILER}{signoff}", 1)
         path.write_text(header + sep + rest, encoding="utf-8")
     return patches
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from cover_letters import write_cover_letters
+
     out_dir = Path(args.dir) if args.dir else EXPORT_DIR
     patches = export(out_dir, require_user_identity())
     if not patches:
@@ -601,6 +610,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"export: {len(patches)} patch(es) in {_rel(out_dir.resolve())}")
     for p in patches:
         print(f"  {p.name}")
+    manifest = load_manifest()
+    if len(manifest.patches) != len(patches):
+        raise ForkError(
+            f"export: {len(patches)} commits but {len(manifest.patches)} manifest "
+            "patches; run `fork.py save` first"
+        )
+    covers, missing = write_cover_letters(
+        [
+            (pt.name, pt.subject, f)
+            for pt, f in zip(manifest.patches, patches, strict=True)
+        ],
+        out_dir / "cover-letters",
+    )
+    where = _rel((out_dir / "cover-letters").resolve())
+    print(f"export: {len(covers)} cover letter(s) in {where}")
+    for cmd in missing:
+        print(f"  not measured yet (tables left empty): run `{cmd}`")
     return 0
 
 
