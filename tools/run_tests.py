@@ -595,7 +595,9 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     worktree = ROOT / "build" / "bisect"
     by_name = {s.name: s for s in SUITES}
     names = [patch.name for patch in load_manifest().patches]
-    for k, commit in enumerate(commits[:-1], start=1):
+    # Longest prefix first: each step then differs least from the last tree
+    # mypy checked (HEAD's, then the previous prefix's), so its cache holds.
+    for k, commit in reversed(list(enumerate(commits[:-1], start=1))):
         subject = git_lines("log", "-1", "--format=%s", commit)[0]
         slug = names[k - 1] if k <= len(names) else "unsaved"
         res = Result(f"bisect:{k:04d}-{slug}")
@@ -655,7 +657,7 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
                            cwd=TREE, check=False, capture_output=True)  # fmt: skip
         results.append(res)
-    return results
+    return sorted(results, key=lambda r: r.name)
 
 
 def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Result]:
