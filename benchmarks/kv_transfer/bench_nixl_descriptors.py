@@ -1019,11 +1019,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # Log lines every CPU-only, offline run prints and nobody needs to act on: no
-# compiled vLLM kernels or Triton on CPU, no weights behind the cached model
-# config (offline hub), small pages of the scaled layouts. Hidden and counted.
+# compiled vLLM kernels or Triton on CPU (nor a CUDA runtime, with a CUDA
+# build of torch), no weights behind the cached model config (offline hub),
+# small pages of the scaled layouts. Hidden and counted.
 EXPECTED_CPU_NOISE = (
     "Failed to import from vllm._C",
     "Triton",
+    "No CUDA runtime is found",
     "safetensors",
     "CPU backend prefers block_size",
 )
@@ -1051,13 +1053,14 @@ def _hide_expected_noise() -> None:
     """Route warnings through one root handler that hides ``NOISE``.
 
     vLLM's module loggers are not configured by a benchmark, so their records
-    reach the root logger; torch logs its Triton note on its own logger.
+    reach the root logger; torch logs its notes on its own loggers.
     """
     handler = logging.StreamHandler()
     handler.setLevel(logging.WARNING)
     handler.addFilter(NOISE)
     logging.getLogger().addHandler(handler)
-    logging.getLogger("torch._library.triton").addFilter(NOISE)
+    for name in ("torch._library.triton", "torch.utils.cpp_extension"):
+        logging.getLogger(name).addFilter(NOISE)
 
 
 def _ensure_env() -> None:
