@@ -551,11 +551,6 @@ def synthetic_block_lists(args: argparse.Namespace) -> BlockLists:
     )
 
 
-def _runs(ids: Sequence[int]) -> int:
-    a = np.asarray(ids, dtype=np.int64)
-    return int(np.count_nonzero(np.diff(a) != 1)) + 1 if a.size else 0
-
-
 # --------------------------------------------------- recording NIXL's inputs
 
 
@@ -1257,6 +1252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tests.v1.kv_connector.unit import nixl_layout_zoo as zoo
     from tests.v1.kv_connector.unit.nixl_real_transfer import probe_real_nixl
     from vllm.distributed.nixl_utils import NixlWrapper
+    from vllm.v1.core.block_run_allocator import count_block_runs
 
     reason = probe_real_nixl()
     if reason is not None:
@@ -1313,9 +1309,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(
             "  * SYNTHETIC block lists: seeded stand-ins, no block pool was driven."
         )
+    # Per policy, over the warm READs: blocks per READ and P-side id runs.
+    list_sizes = {
+        policy: (
+            [len(t.local_ids) for t in ts[1:]],
+            [count_block_runs(t.remote_ids) for t in ts[1:]],
+        )
+        for policy, ts in lists.by_policy.items()
+    }
     for policy, ts in lists.by_policy.items():
-        blocks = [len(t.local_ids) for t in ts[1:]]
-        runs = [_runs(t.remote_ids) for t in ts[1:]]
+        blocks, runs = list_sizes[policy]
         lines.append(
             f"  {policy:<10} lists: {len(ts) - 1} READs (+1 cold), blocks per READ "
             f"p50 {_pct(blocks, 50):,.0f} / p95 {_pct(blocks, 95):,.0f} / max "
@@ -1399,10 +1402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "source": lists.source,
                 "synthetic": lists.synthetic,
                 "transfers": len(ts) - 1,
-                "blocks_p50": _pct([len(t.local_ids) for t in ts[1:]], 50),
-                "blocks_p95": _pct([len(t.local_ids) for t in ts[1:]], 95),
-                "runs_p50": _pct([_runs(t.remote_ids) for t in ts[1:]], 50),
-                "runs_p95": _pct([_runs(t.remote_ids) for t in ts[1:]], 95),
+                "blocks_p50": _pct(list_sizes[policy][0], 50),
+                "blocks_p95": _pct(list_sizes[policy][0], 95),
+                "runs_p50": _pct(list_sizes[policy][1], 50),
+                "runs_p95": _pct(list_sizes[policy][1], 95),
             }
             for policy, ts in lists.by_policy.items()
         },
