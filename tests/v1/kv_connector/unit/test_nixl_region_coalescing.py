@@ -115,9 +115,9 @@ def test_region_guards_and_worker_guards():
     plan = plan_coalesced_reads(regions)
     assert plan.runs == ((0,), (1,), (2,))
     assert dict(plan.excluded)["layers.1"] == Guard.CACHE_SPEC
-    off = plan_coalesced_reads(row(3), Guard.DISABLED)
+    off = plan_coalesced_reads(row(3), Guard.BLOCK_SIZE)
     assert off.runs == ((0,), (1,), (2,))
-    assert off.summary() == f"off ({Guard.DISABLED.value})"
+    assert off.summary() == f"off ({Guard.BLOCK_SIZE.value})"
 
 
 def test_run_never_exceeds_a_block_stride():
@@ -223,15 +223,18 @@ def test_mapped_ids_move_exactly_the_standard_bytes(seed):
     assert len(mapped[0]) == len(local_ids) // num_regions * len(plan.runs)
 
 
-def test_ids_that_do_not_cover_a_run_evenly_are_not_mapped():
+def test_ids_that_do_not_give_a_run_the_same_blocks_are_not_mapped():
     plan = plan_coalesced_reads(row(2))
     id_map = DescIdMap.build(plan.runs, [8, 8], [8, 8])
     # Region 0 reads two blocks, region 1 only one: keep the standard read.
     assert id_map(np.array([0, 1, 8]), np.array([0, 1, 8])) is None
+    # As many blocks, but not the same ones (local 1 vs 2; remote 4 vs 5).
+    assert id_map(np.array([0, 1, 8, 10]), np.array([4, 5, 12, 13])) is None
+    assert id_map(np.array([0, 1, 8, 9]), np.array([4, 5, 13, 12])) is None
     # Local region 1 paired with remote region 0.
     assert id_map(np.array([0, 8]), np.array([8, 0])) is None
-    local, remote = id_map(np.array([3, 11]), np.array([5, 13]))
-    assert local.tolist() == [3] and remote.tolist() == [5]
+    local, remote = id_map(np.array([3, 4, 11, 12]), np.array([5, 6, 13, 14]))
+    assert local.tolist() == [3, 4] and remote.tolist() == [5, 6]
 
 
 @pytest.mark.parametrize(
@@ -247,3 +250,12 @@ def test_switch_accepts_numbers_and_booleans(monkeypatch, value, enabled):
     else:
         monkeypatch.setenv("VLLM_NIXL_COALESCE_REGIONS", value)
     assert envs.environment_variables["VLLM_NIXL_COALESCE_REGIONS"]() is enabled
+
+
+@pytest.mark.parametrize("value", ["yes", "on", "2", ""])
+def test_switch_rejects_other_values(monkeypatch, value):
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_NIXL_COALESCE_REGIONS", value)
+    with pytest.raises(ValueError, match=r"VLLM_NIXL_COALESCE_REGIONS.*'1'.*'0'"):
+        envs.environment_variables["VLLM_NIXL_COALESCE_REGIONS"]()

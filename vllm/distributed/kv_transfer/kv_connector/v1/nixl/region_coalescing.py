@@ -33,15 +33,12 @@ import numpy as np
 class Guard(str, Enum):
     """A named check that keeps a region's read on its own descriptor."""
 
-    DISABLED = "disabled (VLLM_NIXL_COALESCE_REGIONS=0)"
-    TRANSFER_MODE = "transfer mode is not pull"
     LAYER_ROUTING = "pipeline parallel or layer-name routing"
     BLOCK_SIZE = "P and D block sizes differ"
     BLOCK_RATIO = "physical blocks per logical block != 1"
     STATE_CACHES = "model has Mamba or CSA-linear state caches"
     CONTEXT_PARALLEL = "decode context parallel"
     SPLIT_READ = "reads are split across remote ranks"
-    DESCRIPTOR_LAYOUT = "not one strided descriptor row per region"
     CACHE_SPEC = "not a replicated MLA region"
     SHARED_GROUP = "region shared by several transfer groups"
     MEMORY = "different registration, memory type or device"
@@ -289,16 +286,17 @@ class DescIdMap:
     """Maps the standard read's descriptor ids onto coalesced regions.
 
     In the standard lists, region ``r`` owns ids ``[start[r], start[r] + n)``
-    on each side. Every region of a run receives the same block ids (same
-    transfer groups), so keeping one region's descriptors per run and moving
-    them to the run's region reads every byte of the run exactly once.
+    on each side. When every region of a run receives the same block offsets,
+    in the same order, on both sides (the regions of a run share transfer
+    groups, so the standard read gives them the same blocks), the ids of the
+    run's first region, moved to the run's descriptors, read every byte of
+    the run exactly once.
 
     Attributes:
         local_starts: First standard local id of each region.
         remote_starts: First standard remote id of each region.
-        keep: Whether a region's descriptors stand for its run.
+        head: First region of each region's run.
         run_of: Run index of each region.
-        members: Regions per run.
         run_local_starts: First coalesced local id of each run.
         run_remote_starts: First coalesced remote id of each run.
 
@@ -306,9 +304,8 @@ class DescIdMap:
 
     local_starts: np.ndarray
     remote_starts: np.ndarray
-    keep: np.ndarray
+    head: np.ndarray
     run_of: np.ndarray
-    members: np.ndarray
     run_local_starts: np.ndarray
     run_remote_starts: np.ndarray
 
@@ -329,11 +326,10 @@ class DescIdMap:
         """
         num_regions = len(local_num_blocks)
         run_of = np.empty(num_regions, dtype=np.int64)
-        keep = np.zeros(num_regions, dtype=bool)
+        head = np.empty(num_regions, dtype=np.int64)
         for index, run in enumerate(runs):
             run_of[list(run)] = index
-            keep[min(run)] = True
-        members = np.asarray([len(run) for run in runs], dtype=np.int64)
+            head[list(run)] = min(run)
         heads = [min(run) for run in runs]
 
         def starts(counts: Sequence[int]) -> np.ndarray:
@@ -342,9 +338,8 @@ class DescIdMap:
         return cls(
             local_starts=starts(local_num_blocks),
             remote_starts=starts(remote_num_blocks),
-            keep=keep,
+            head=head,
             run_of=run_of,
-            members=members,
             run_local_starts=starts([local_num_blocks[h] for h in heads]),
             run_remote_starts=starts([remote_num_blocks[h] for h in heads]),
         )
@@ -354,8 +349,9 @@ class DescIdMap:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Coalesced ``(local, remote)`` ids, or None if they cannot be mapped.
 
-        None means the ids did not give every region of a run the same number
-        of blocks, or paired different regions; the caller then keeps the
+        None means a local id and its remote id belong to different regions,
+        or some region of a run did not receive exactly its run head's block
+        offsets in the same order on both sides; the caller then keeps the
         standard ids (always correct).
         """
         local_ids = np.asarray(local_ids, dtype=np.int64)
@@ -364,21 +360,28 @@ class DescIdMap:
         remote_region = np.searchsorted(self.remote_starts, remote_ids, side="right")
         if not np.array_equal(region, remote_region - 1):
             return None
-        runs = self.run_of[region]
-        per_run = np.bincount(runs, minlength=len(self.members))
-        kept = self.keep[region]
-        if not np.array_equal(
-            per_run, np.bincount(runs[kept], minlength=len(self.members)) * self.members
+        local_offsets = local_ids - self.local_starts[region]
+        remote_offsets = remote_ids - self.remote_starts[region]
+        # The i-th id of each region must pair with the i-th id of its head.
+        counts = np.bincount(region, minlength=len(self.head))
+        if not np.array_equal(counts, counts[self.head]):
+            return None
+        order = np.argsort(region, kind="stable")
+        first = np.cumsum(counts) - counts
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - first[region[order]]
+        head_pos = order[first[self.head[region]] + rank]
+        if not (
+            np.array_equal(local_offsets, local_offsets[head_pos])
+            and np.array_equal(remote_offsets, remote_offsets[head_pos])
         ):
             return None
-        region, runs = region[kept], runs[kept]
-        local = (
-            self.run_local_starts[runs] + local_ids[kept] - self.local_starts[region]
+        kept = region == self.head[region]
+        runs = self.run_of[region[kept]]
+        return (
+            self.run_local_starts[runs] + local_offsets[kept],
+            self.run_remote_starts[runs] + remote_offsets[kept],
         )
-        remote = (
-            self.run_remote_starts[runs] + remote_ids[kept] - self.remote_starts[region]
-        )
-        return local, remote
 
 
 @dataclass(frozen=True)

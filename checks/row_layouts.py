@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 
-from .utils import create_vllm_config
+from tests.v1.kv_connector.unit.utils import create_vllm_config
 
 BLOCK_SIZE = 64
 # GLM-5.3-like row (fp8_ds_mla, block size 64): DSA indexer and MLA pages.

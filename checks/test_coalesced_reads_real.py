@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from .nixl_coalescing_layouts import (  # noqa: E402
+from checks.row_layouts import (  # noqa: E402
     BuiltLayout,
     Page,
     Storage,
@@ -32,7 +32,7 @@ from .nixl_coalescing_layouts import (  # noqa: E402
     glm_like,
     make_worker,
 )
-from .nixl_real_transfer import (  # noqa: E402
+from checks.real_nixl import (  # noqa: E402
     INDEXER_PAGE,
     MLA_PAGE,
     NUM_BLOCKS,

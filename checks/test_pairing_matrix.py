@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """P/D pairs over layouts built by vLLM's own planner, stock as the oracle.
 
-For every pairing of ``nixl_layout_zoo`` layouts, a prefill worker and two
+For every pairing of ``layout_zoo`` layouts, a prefill worker and two
 decode workers are built with the real registration and real NIXL agents on
 host DRAM (UCX): one decoder with coalesced reads (``VLLM_NIXL_COALESCE_REGIONS``
 on) and one stock decoder (off). Both handshake with the prefiller and pull
@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
 )
 from vllm.v1.kv_cache_interface import AttentionSpec  # noqa: E402
 
-from .nixl_layout_zoo import (  # noqa: E402
+from checks.layout_zoo import (  # noqa: E402
     ZOO,
     ZooLayout,
     build_zoo_layout,
@@ -45,7 +45,7 @@ from .nixl_layout_zoo import (  # noqa: E402
     make_zoo_worker,
     zero,
 )
-from .nixl_real_transfer import (  # noqa: E402
+from checks.real_nixl import (  # noqa: E402
     connect,
     probe_real_nixl,
     pull_request,

@@ -49,7 +49,7 @@ layer's indexer cache is constructed (and reported) before its MLA cache, so
 the row is ``[I0 I1 .. | L0 L1 ..]``.
 
 Layouts (``ZOO``) and ``worker.num_regions`` under stock registration
-(``coalesce=False``, ``num_layers=4``, measured by ``test_nixl_layout_zoo.py``;
+(``coalesce=False``, ``num_layers=4``, measured by ``test_layout_zoo.py``;
 L = decoder layers):
 
 ==============================  =======  ==========================================
@@ -200,8 +200,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 
 # One byte pattern and handshake for every layout kind.
-from .nixl_real_transfer import connect, fill_pattern, zero
-from .utils import create_vllm_config
+from checks.real_nixl import connect, fill_pattern, zero
+from tests.v1.kv_connector.unit.utils import create_vllm_config
 
 # Real per-token bytes / dims of the model families (divided by ``scale``).
 _MLA_HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
@@ -930,7 +930,7 @@ def _real_nixl_wrapper() -> type:
     """
     from vllm.distributed.nixl_utils import NixlWrapper
 
-    from .nixl_real_transfer import probe_real_nixl
+    from checks.real_nixl import probe_real_nixl
 
     if NixlWrapper is None:
         raise RuntimeError("NIXL is not installed")
@@ -991,7 +991,7 @@ def make_zoo_worker(
     with ExitStack() as stack:
         stack.enter_context(_conv_state_layout(layout.conv_state_layout))
         stack.enter_context(
-            patch.object(bw.envs, "VLLM_NIXL_COALESCE_REGIONS", coalesce)
+            patch.dict(os.environ, VLLM_NIXL_COALESCE_REGIONS=str(int(coalesce)))
         )
         stack.enter_context(
             patch.object(bw, "get_tensor_model_parallel_rank", return_value=tp_rank)

@@ -10,7 +10,7 @@ reads are exercised exactly as in a deployment. The descriptor count comes
 from NIXL's transfer telemetry (the workers create their agents with
 ``capture_telemetry=True``), so it is what NIXL actually posted.
 
-``verify_and_reset`` checks hand-built layouts (``nixl_coalescing_layouts``)
+``verify_and_reset`` checks hand-built layouts (``row_layouts``)
 byte for byte: each local row of the request must equal its remote row over
 the pages, and every other byte of the decode side must still be zero.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .nixl_coalescing_layouts import BuiltLayout
+from checks.row_layouts import BuiltLayout
 
 # The fill pattern repeats with a prime period longer than any block row here,
 # so no two rows of a storage hold the same bytes (a misplaced block shows).

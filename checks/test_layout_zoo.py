@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Smoke tests for the planner-built NIXL layout zoo (``nixl_layout_zoo``).
+"""Smoke tests for the planner-built NIXL layout zoo (``layout_zoo``).
 
 Every layout builds a prefill and a decode pull worker with real NIXL (UCX on
 host DRAM) and stock registration, and the decode worker accepts the prefill
@@ -11,7 +11,7 @@ the zoo's module docstring.
 import pytest
 import torch
 
-from .nixl_layout_zoo import (
+from checks.layout_zoo import (
     ZOO,
     ZooLayout,
     build_zoo_layout,
@@ -48,7 +48,7 @@ STOCK_REGIONS = {
 def real_nixl() -> None:
     """Skip unless real NIXL agents can READ host DRAM here."""
     pytest.importorskip("nixl")
-    from .nixl_real_transfer import probe_real_nixl
+    from checks.real_nixl import probe_real_nixl
 
     reason = probe_real_nixl()
     if reason is not None:

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL pull workers over planner-built MLA caches on host DRAM.
+
+The caches come from vLLM's own planner and allocator (``get_kv_cache_configs``
+and ``allocate_kv_cache``) for a model of ``num_layers`` MLA layers, so the
+block rows are what an engine would register. Workers run the real
+registration, handshake (``add_remote_agent``) and read path
+(``_read_blocks_for_req``) with a real NIXL agent (UCX on host DRAM, no GPU);
+only the distributed runtime and the attention backend are faked. NIXL's
+transfer telemetry gives the descriptors each READ posted.
+"""
+
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import ExitStack
+from unittest.mock import MagicMock, patch
+
+import msgspec
+import pytest
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    RemoteMeta,
+    ReqMeta,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheLayout, MLAAttentionSpec
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from .utils import create_vllm_config
+
+BLOCK_SIZE = 16
+
+
+def require_nixl():
+    """The real ``NixlWrapper``; skip with the reason when it cannot run here."""
+    pytest.importorskip("nixl", reason="NIXL is not installed")
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    if NixlWrapper is None:
+        pytest.skip("NIXL is installed but its Python API did not import")
+    return NixlWrapper
+
+
+def plan_mla_caches(
+    num_layers: int, page_bytes: int, num_blocks: int, layout: str, *, staging=False
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """Plan and allocate ``num_layers`` MLA caches as an engine would."""
+    config = _config(layout, staging)
+    config.model_config.max_model_len = 2 * BLOCK_SIZE
+    config.cache_config.num_gpu_blocks_override = num_blocks
+    spec = MLAAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=page_bytes // BLOCK_SIZE,
+        dtype=torch.uint8,
+    )
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}]
+    groups = get_global_kv_cache_groups(config, specs)
+    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
+    kv_cache_config.kv_cache_layout = layout
+    caches = allocate_kv_cache(
+        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
+    )
+    return kv_cache_config, caches
+
+
+def _config(layout: str, staging: bool):
+    config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
+    config.cache_config.kv_cache_layout = layout
+    if staging:
+        config.kv_transfer_config.kv_buffer_device = "cpu"
+    return config
+
+
+def make_worker(
+    kv_cache_config: KVCacheConfig,
+    caches: dict[str, torch.Tensor],
+    layout: str,
+    nixl_cls: type,
+    *,
+    staging: bool = False,
+) -> NixlPullConnectorWorker:
+    """A registered pull worker; ``staging`` stages through host buffers."""
+    backend = MagicMock()
+    backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
+    backend.get_name.return_value = "FLASHMLA"
+    backend.full_cls_name.return_value = "fake.FLASHMLA"
+    with ExitStack() as stack:
+        for name, value in (
+            ("get_tensor_model_parallel_rank", 0),
+            ("get_tensor_model_parallel_world_size", 1),
+            ("get_current_attn_backends", [backend]),
+        ):
+            stack.enter_context(patch.object(bw, name, return_value=value))
+        stack.enter_context(patch.object(bw, "NixlWrapper", nixl_cls))
+        stack.enter_context(patch("threading.Thread"))
+        if staging:
+            # A CPU platform never stages: pretend to be an accelerator.
+            stack.enter_context(
+                patch.object(bw.current_platform, "device_type", "cuda")
+            )
+        worker = NixlPullConnectorWorker(
+            _config(layout, staging), str(uuid.uuid4()), kv_cache_config
+        )
+        worker.use_mla = True
+        worker.register_kv_caches(caches)
+    return worker
+
+
+def handshake(decode: NixlPullConnectorWorker, prefill: NixlPullConnectorWorker):
+    """Hand P's advertised metadata to D, as ``_nixl_handshake`` does."""
+    meta = msgspec.msgpack.decode(
+        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
+    )
+    name = decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, 0)] = name
+
+
+def pull(
+    decode: NixlPullConnectorWorker,
+    prefill: NixlPullConnectorWorker,
+    local_block_ids: Sequence[int],
+    remote_block_ids: Sequence[int],
+) -> int:
+    """Read one request through D's read path; return the descriptors posted."""
+    req_id = f"req-{uuid.uuid4()}"
+    meta = ReqMeta(
+        local_block_ids=[list(local_block_ids)],
+        local_physical_block_ids=[list(local_block_ids)],
+        tp_size=1,
+        remote=RemoteMeta(
+            block_ids=[list(remote_block_ids)],
+            host="localhost",
+            port=0,
+            engine_id=prefill.engine_id,
+            request_id=req_id,
+            num_tokens=len(remote_block_ids) * BLOCK_SIZE,
+        ),
+    )
+    decode._read_blocks_for_req(req_id, meta)
+    assert req_id not in decode._recv_failures
+    nixl, descriptors = decode.nixl_wrapper, 0
+    deadline = time.monotonic() + 60
+    for handle in decode._recving_transfers.pop(req_id):
+        while (state := nixl.check_xfer_state(handle)) == "PROC":
+            assert time.monotonic() < deadline, "READ did not finish"
+        assert state == "DONE", state
+        descriptors += int(nixl.get_xfer_telemetry(handle).descCount)
+        nixl.release_xfer_handle(handle)
+    return descriptors
