@@ -296,6 +296,9 @@ _RECIPES: dict[str, _Recipe] = {
     "glm53-mtp+host-staging/BLHNC": _Recipe(
         "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True
     ),
+    "dsv32+host-staging/LBNHC": _Recipe(
+        "dsv32", KVCacheLayout.LBNHC, host_staging=True
+    ),
     "dsv32-pp2-stage0/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=0),
     "dsv32-pp2-stage1/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=1),
     "synthetic/glm-draft-storage": _Recipe(
@@ -977,7 +980,7 @@ def make_zoo_worker(
         The registered worker (``xfer_handshake_metadata`` is set).
 
     """
-    from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+    from checks.real_nixl import cpu_copy_blocks
 
     config = create_vllm_config(block_size=layout.block_size)
     config.kv_transfer_config.kv_role = "kv_both"
@@ -1016,7 +1019,7 @@ def make_zoo_worker(
         worker = NixlPullConnectorWorker(config, engine_id, layout.kv_cache_config)
         worker.use_mla = layout.use_mla
         worker.register_kv_caches(layout.kv_caches)
-        worker.set_host_xfer_buffer_ops(copy_kv_blocks)
+        worker.set_host_xfer_buffer_ops(cpu_copy_blocks)
     if worker.host_xfer_buffers:
         seen = {raw.data_ptr() for raw in layout.raws}
         for raw in _raws(worker.host_xfer_buffers):

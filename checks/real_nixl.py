@@ -164,6 +164,26 @@ def verify_and_reset(
     return ok, compared
 
 
+def cpu_copy_blocks(
+    src: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    direction: str,
+) -> None:
+    """``copy_kv_blocks`` with the CUDA platform's per-layer copies, on host memory.
+
+    The CPU platform has no ``insert_blocks_to_device``/``swap_out_blocks_to_host``
+    (it never stages), so host-staging workers built here get this op.
+    """
+    if not src_block_ids or len(src_block_ids) != len(dst_block_ids):
+        return
+    src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
+    dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
+    for name, tensor in src.items():
+        dst[name][dst_ids] = tensor[src_ids]
+
+
 def count_runs(block_ids: Sequence[int]) -> int:
     """Runs of consecutive ascending block ids (what NIXL merges in a dense row)."""
     ids = np.asarray(block_ids, dtype=np.int64)
@@ -349,7 +369,8 @@ def pull_request(
         descriptors=descriptors,
         total_bytes=total_bytes,
         reads=len(handles),
-        coalesced=bool(decode._coalesced_reads),
+        # Stock 0.33.0 (the oracle) has no coalesced reads.
+        coalesced=bool(getattr(decode, "_coalesced_reads", None)),
         done_s=done - start,
     )
 
