@@ -4,16 +4,18 @@
 
 Drives the real ``KVCacheManager`` and ``BlockPool`` (CPU only, no model) of
 one prefill rank with a synthetic, seeded workload and compares the stock
-``queue`` allocation policy with ``contiguous`` side by side: both pools see
-the same request stream, step by step, and their ``get_new_blocks`` calls are
-timed interleaved so machine noise hits both alike.
+``queue`` allocation order with the series' ``sorted`` one
+(``VLLM_BLOCK_POOL_ALLOCATION_POLICY``: ``BlockPool.sort_new_blocks``) side by
+side: both pools see the same request stream, step by step, and their
+``get_new_blocks`` calls are timed interleaved so machine noise hits both
+alike.
 
 For each finished prefill it counts the runs of consecutive ascending block ids
 in the request's block table: what a P/D prefill rank would hand to the KV
 connector, which posts one descriptor per (region, run).
 
 Example:
-    python benchmarks/benchmark_block_pool_replay.py --quick
+    python tools/bench/block_pool_replay.py --quick
 
 """
 
@@ -29,11 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from tqdm import tqdm
-
 from vllm.sampling_params import SamplingParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.hashing import sha256
-from vllm.v1.core.block_run_allocator import count_block_runs, make_allocator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, init_none_hash
 from vllm.v1.kv_cache_interface import (
@@ -43,10 +43,20 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-POLICIES = ("queue", "contiguous")
+POLICIES = ("queue", "sorted")
 # Regions per transfer for the layouts in the NIXL series brief: GLM-5.3-like
 # per-layer views (78 MLA + 23 indexer), coalesced spans, one dense row.
 REGION_LAYOUTS = (("per-layer", 101), ("spans", 4), ("dense rows", 1))
+
+
+def count_block_runs(block_ids: list[int]) -> int:
+    """Runs of consecutive ascending block ids (one NIXL descriptor per run of a
+    dense region)."""
+    return (
+        1 + sum(b != a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
+        if block_ids
+        else 0
+    )
 
 
 @dataclass
@@ -155,7 +165,8 @@ def make_manager(args, policy: str) -> KVCacheManager:
             )
         ],
     )
-    # The pool reads its policy from the environment when it is built.
+    # The pool reads its policy from the environment when it is built ("auto"
+    # would depend on a Scheduler with a KV connector; set it explicitly).
     os.environ["VLLM_BLOCK_POOL_ALLOCATION_POLICY"] = policy
     manager = KVCacheManager(
         config,
@@ -164,10 +175,7 @@ def make_manager(args, policy: str) -> KVCacheManager:
         hash_block_size=args.block_size,
         enable_caching=True,
     )
-    allocator = manager.block_pool._run_allocator
-    assert (allocator is not None) == (policy != "queue"), policy
-    if allocator is not None and args.max_extra_scan is not None:
-        allocator.max_extra_scan = args.max_extra_scan
+    manager.block_pool.sort_new_blocks = policy == "sorted"
     return manager
 
 
@@ -262,7 +270,7 @@ class PoolSim:
             st.hit_tokens += run.hit_tokens
             st.prompt_tokens += req.num_tokens
             length = 1
-            for prev, cur in zip(ids, ids[1:]):
+            for prev, cur in zip(ids, ids[1:], strict=False):
                 if cur == prev + 1:
                     length += 1
                 else:
@@ -302,18 +310,17 @@ def single_block_microbench(sims: list[PoolSim], iters: int) -> list[list[int]]:
     clock = time.perf_counter_ns
     for sim in sims:
         pool = sim.manager.block_pool
-        allocators = [make_allocator(policy, pool) for policy in POLICIES]
         get_new_blocks = type(pool).get_new_blocks  # bypass the timing wrapper
         taken = []
         for i in range(iters):
             k = i % 2 if (i // 2) % 2 == 0 else 1 - i % 2
             if pool.get_num_free_blocks() < 1:
                 break
-            pool._run_allocator = allocators[k]
+            pool.sort_new_blocks = POLICIES[k] == "sorted"
             t0 = clock()
             taken.extend(get_new_blocks(pool, 1))
             out[k].append(clock() - t0)
-        pool._run_allocator = allocators[POLICIES.index(sim.policy)]
+        pool.sort_new_blocks = sim.policy == "sorted"
         pool.free_blocks(taken)
     return out
 
@@ -361,7 +368,7 @@ def main(args) -> None:
         order = sims if step % 2 == 0 else sims[::-1]
         results = {sim.policy: sim.step(step, record) for sim in order}
         # The workload advances on the stock pool's schedule so both pools see
-        # the same stream; the contiguous pool follows within a step or two.
+        # the same stream; the sorted pool follows within a step or two.
         for session in results[POLICIES[0]]:
             in_flight -= 1
             finished_total += 1
@@ -391,7 +398,7 @@ def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
     base_multi = statistics.fmean(base.alloc_ns["multi"] or [0])
     base_single = statistics.median(single[0] or [0])
     rows = []
-    for sim, single_ns in zip(sims, single):
+    for sim, single_ns in zip(sims, single, strict=False):
         st = sim.stats
         multi = st.alloc_ns["multi"]
         multi_mean = statistics.fmean(multi or [0])
@@ -412,7 +419,9 @@ def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
         row["alloc ratio (mean)"] = multi_mean / base_multi if base_multi else 0.0
         # Both replays issue the same call sequence; compare call by call.
         if st.alloc_sizes == base.alloc_sizes and multi:
-            ratios = [b / a for a, b in zip(base.alloc_ns["multi"], multi)]
+            ratios = [
+                b / a for a, b in zip(base.alloc_ns["multi"], multi, strict=False)
+            ]
             row["alloc ratio (paired med)"] = statistics.median(ratios)
         else:
             row["alloc ratio (paired med)"] = float("nan")
@@ -439,7 +448,7 @@ def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
         print(f"{k:{width}}  " + "  ".join(cells))
     ratio = float(rows[0]["runs mean"]) / max(float(rows[1]["runs mean"]), 1e-9)
     delta = float(rows[1]["hit rate %"]) - float(rows[0]["hit rate %"])
-    print(f"runs per transfer, stock / contiguous: {ratio:.2f}x")
+    print(f"runs per transfer, queue / sorted: {ratio:.2f}x")
     print(f"hit rate delta (pp): {delta:+.3f}")
     if args.plot:
         plot(args.plot, sims)
@@ -510,12 +519,6 @@ def build_parser() -> FlexibleArgumentParser:
     parser.add_argument("--think-steps", type=parse_range, default=(4, 40))
     parser.add_argument("--transfer-steps", type=int, default=2)
     parser.add_argument("--single-block-iters", type=int, default=4000)
-    parser.add_argument(
-        "--max-extra-scan",
-        type=int,
-        default=None,
-        help="ablation: uncached substitutes scanned per spare (0: sort only)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="block_pool_replay_runs.png")
     parser.add_argument("--quick", action="store_true", help="short run (250 prefills)")
