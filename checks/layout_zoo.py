@@ -66,6 +66,9 @@ glm53-mtp/BLHNC                 1        GLM-5.3 (DSv3.2 arch): fp8_ds_mla MLA +
                                          target's group: one buffer, whole-row
                                          region (also 1 at L=78).
 glm53/BLHNC                     1        The same without the drafter.
+glm53-mtp/LBNHC                 10       GLM-5.3 + MTP under the default layout
+                                         (layer-outer): one dense region per
+                                         page (103 at L=78).
 dsv32/BLHNC                     1        DeepSeek-V3.2: MLA + indexer per layer.
 dsv32/LBNHC                     8        The same under the default layout
                                          (layer-outer, one group): 2L regions.
@@ -283,6 +286,7 @@ class _Recipe:
 _RECIPES: dict[str, _Recipe] = {
     "glm53-mtp/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, mtp=True),
     "glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC),
+    "glm53-mtp/LBNHC": _Recipe("glm53", KVCacheLayout.LBNHC, mtp=True),
     "dsv32/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC),
     "dsv32/LBNHC": _Recipe("dsv32", KVCacheLayout.LBNHC),
     "dsv2-bf16/BLHNC": _Recipe("dsv2-bf16", KVCacheLayout.BLHNC),

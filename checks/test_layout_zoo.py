@@ -27,6 +27,7 @@ pytestmark = pytest.mark.cpu_test
 STOCK_REGIONS = {
     "glm53-mtp/BLHNC": 1,
     "glm53/BLHNC": 1,
+    "glm53-mtp/LBNHC": 10,
     "dsv32/BLHNC": 1,
     "dsv32/LBNHC": 8,
     "dsv2-bf16/BLHNC": 1,
