@@ -163,10 +163,9 @@ from unittest.mock import MagicMock, patch
 
 import numpy as np
 import torch
-
+from tests.v1.kv_connector.unit.utils import create_vllm_config
 from vllm.config import VllmConfig
 from vllm.config.attention import HiSparseConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -204,7 +203,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 
 # One byte pattern and handshake for every layout kind.
 from checks.real_nixl import connect, fill_pattern, zero
-from tests.v1.kv_connector.unit.utils import create_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
 # Real per-token bytes / dims of the model families (divided by ``scale``).
 _MLA_HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
@@ -269,6 +268,8 @@ class _Recipe:
         mtp: Add an MTP drafter layer (GLM only).
         hisparse: Plan and allocate as a HiSparse decoder.
         host_staging: ``kv_buffer_device="cpu"`` on the worker.
+        mirror: With ``host_staging``, ``mirror_host_buffers`` (host buffers
+            laid out like the device allocation) instead of per-layer buffers.
         pp_stage: PP=2 stage this worker holds, or None for PP=1.
         synthetic: Hand-built (GLM row + separately allocated draft cache).
 
@@ -279,6 +280,7 @@ class _Recipe:
     mtp: bool = False
     hisparse: bool = False
     host_staging: bool = False
+    mirror: bool = False
     pp_stage: int | None = None
     synthetic: bool = False
 
@@ -300,8 +302,20 @@ _RECIPES: dict[str, _Recipe] = {
     "glm53-mtp+host-staging/BLHNC": _Recipe(
         "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True
     ),
+    "glm53-mtp+mirrored-staging/BLHNC": _Recipe(
+        "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True, mirror=True
+    ),
+    "dsv32+host-staging/BLHNC": _Recipe(
+        "dsv32", KVCacheLayout.BLHNC, host_staging=True
+    ),
+    "dsv32+mirrored-staging/BLHNC": _Recipe(
+        "dsv32", KVCacheLayout.BLHNC, host_staging=True, mirror=True
+    ),
     "dsv32+host-staging/LBNHC": _Recipe(
         "dsv32", KVCacheLayout.LBNHC, host_staging=True
+    ),
+    "dsv32+mirrored-staging/LBNHC": _Recipe(
+        "dsv32", KVCacheLayout.LBNHC, host_staging=True, mirror=True
     ),
     "dsv32-pp2-stage0/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=0),
     "dsv32-pp2-stage1/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=1),
@@ -646,6 +660,9 @@ def _configure(recipe: _Recipe, num_layers: int) -> Callable[[VllmConfig], None]
         if recipe.host_staging:
             assert config.kv_transfer_config is not None
             config.kv_transfer_config.kv_buffer_device = "cpu"
+            if recipe.mirror:
+                extra = config.kv_transfer_config.kv_connector_extra_config
+                extra["mirror_host_buffers"] = True
         if recipe.pp_stage is not None:
             parallel = config.parallel_config
             parallel.pipeline_parallel_size = 2

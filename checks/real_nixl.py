@@ -102,7 +102,10 @@ def run_slices(
     )
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [local.size]])
-    return [(int(local[s]), int(remote[s]), int(e - s)) for s, e in zip(starts, ends)]
+    return [
+        (int(local[s]), int(remote[s]), int(e - s))
+        for s, e in zip(starts, ends, strict=False)
+    ]
 
 
 def untouched(layout: BuiltLayout) -> bool:
@@ -143,7 +146,7 @@ def verify_and_reset(
     ok, compared = True, 0
     runs = run_slices(local_block_ids, remote_block_ids)
     for storage, remote_storage, raw, remote_raw in zip(
-        local.storages, remote.storages, local.raws, remote.raws
+        local.storages, remote.storages, local.raws, remote.raws, strict=False
     ):
         assert storage == remote_storage, "P and D layouts differ"
         used = storage.stride - storage.pad
@@ -224,7 +227,7 @@ def _probe_read() -> None:
     agents = [NixlWrapper(f"probe-{uuid.uuid4()}", config) for _ in range(2)]
     regs = []
     try:
-        for agent, tensor in zip(agents, (src, dst)):
+        for agent, tensor in zip(agents, (src, dst), strict=False):
             regs.append(agent.get_reg_descs([tensor]))
             agent.register_memory(regs[-1])
         reader, owner = agents[1], agents[0]
@@ -243,7 +246,7 @@ def _probe_read() -> None:
         if state != "DONE" or not torch.equal(src, dst):
             raise RuntimeError(f"probe READ ended in state {state!r}")
     finally:
-        for agent, reg in zip(agents, regs):
+        for agent, reg in zip(agents, regs, strict=False):
             agent.deregister_memory(reg)
 
 
@@ -388,7 +391,6 @@ def connect(
 
     """
     import msgspec
-
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlAgentMetadata,
     )

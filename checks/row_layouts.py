@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from unittest.mock import MagicMock, patch
 
 import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+from tests.v1.kv_connector.unit.utils import create_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -31,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 
-from tests.v1.kv_connector.unit.utils import create_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
 BLOCK_SIZE = 64
 # GLM-5.3-like row (fp8_ds_mla, block size 64): DSA indexer and MLA pages.

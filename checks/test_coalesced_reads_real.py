@@ -24,14 +24,6 @@ import torch
 
 pytest.importorskip("nixl")
 
-from checks.row_layouts import (  # noqa: E402
-    BuiltLayout,
-    Page,
-    Storage,
-    build_layout,
-    glm_like,
-    make_worker,
-)
 from checks.real_nixl import (  # noqa: E402
     INDEXER_PAGE,
     MLA_PAGE,
@@ -47,6 +39,14 @@ from checks.real_nixl import (  # noqa: E402
     probe_real_nixl,
     pull_request,
     zero,
+)
+from checks.row_layouts import (  # noqa: E402
+    BuiltLayout,
+    Page,
+    Storage,
+    build_layout,
+    glm_like,
+    make_worker,
 )
 
 pytestmark = pytest.mark.cpu_test
@@ -134,7 +134,7 @@ def assert_layers_landed(d_layout, p_layout, local_ids, remote_ids) -> None:
     """Each decode layer view holds the prefill view of its remote block."""
     for name, view in d_layout.caches.items():
         remote = p_layout.caches[name]
-        for local_block, remote_block in zip(local_ids, remote_ids):
+        for local_block, remote_block in zip(local_ids, remote_ids, strict=False):
             assert torch.equal(view[local_block], remote[remote_block]), name
 
 
@@ -162,7 +162,7 @@ def read(
     finally:
         oracle.shutdown()
     assert stock.total_bytes == result.total_bytes
-    for got, want in zip(d_layout.raws, oracle_layout.raws):
+    for got, want in zip(d_layout.raws, oracle_layout.raws, strict=False):
         assert torch.equal(got, want), "coalesced READ differs from stock"
     assert_layers_landed(d_layout, p_layout, local_ids, block_ids)
     zero(d_layout)
@@ -291,7 +291,7 @@ def _pull_and_compare(p_storages, d_storages, local, remote) -> list[tuple[int, 
         for decode in decoders.values():
             connect(decode, prefill)
             pull_request(decode, prefill, local, remote)
-        for got, want in zip(d_layouts[True].raws, d_layouts[False].raws):
+        for got, want in zip(d_layouts[True].raws, d_layouts[False].raws, strict=False):
             assert torch.equal(got, want), "coalesced READ differs from stock"
         reads = decoders[True]._coalesced_reads.get(("prefill", 0))
         return list(reads.plan.runs) if reads else []

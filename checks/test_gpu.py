@@ -160,8 +160,9 @@ MAX_TOKENS = 8
 
 
 def _make_llm(model_dir: Path, side_channel_port: int):
-    from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    from vllm import LLM
 
     # Each engine core process reads its NIXL side-channel port at start.
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
@@ -189,8 +190,9 @@ def _shutdown(llm) -> None:
 
 @requires_cuda
 def test_tiny_mla_pd_decode_matches_local_decode(tmp_path, monkeypatch):
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     model_dir = tmp_path / "tiny-deepseek-v2"
