@@ -8,3 +8,7 @@ does): ``import vllm`` and ``import tests...`` then load the patched tree.
 from tests.v1.kv_connector.unit.conftest import (  # noqa: F401 - autouse fixture
     _mock_cpu_backend_block_sizes,
 )
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "cpu_test: runs on a CPU-only machine")

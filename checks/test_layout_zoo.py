@@ -3,9 +3,9 @@
 """Smoke tests for the planner-built NIXL layout zoo (``layout_zoo``).
 
 Every layout builds a prefill and a decode pull worker with real NIXL (UCX on
-host DRAM) and stock registration, and the decode worker accepts the prefill
-worker's handshake. Stock region counts are pinned to the values recorded in
-the zoo's module docstring.
+host DRAM), and the decode worker accepts the prefill worker's handshake.
+Region counts and cross-layout acceptance are held against stock 0.33.0 by
+the pairing matrix (``test_pairing_matrix.py``).
 """
 
 import pytest
@@ -22,27 +22,6 @@ from checks.layout_zoo import (
 )
 
 pytestmark = pytest.mark.cpu_test
-
-# worker.num_regions under stock registration at num_layers=4.
-STOCK_REGIONS = {
-    "glm53-mtp/BLHNC": 1,
-    "glm53/BLHNC": 1,
-    "glm53-mtp/LBNHC": 10,
-    "dsv32/BLHNC": 1,
-    "dsv32/LBNHC": 8,
-    "dsv2-bf16/BLHNC": 1,
-    "dsv2-bf16/LBNHC": 4,
-    "dsv2-fp8/BLHNC": 1,
-    "mla-swa/BLHNC": 1,
-    "gpt-oss/LBNHC": 2,
-    "gpt-oss/BLHNC": 2,
-    "nemotron-h/LBNHC": 1,
-    "hisparse-glm53/BLHNC": 8,
-    "glm53-mtp+host-staging/BLHNC": 10,
-    "dsv32-pp2-stage0/BLHNC": 4,
-    "dsv32-pp2-stage1/BLHNC": 4,
-    "synthetic/glm-draft-storage": 9,
-}
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +43,10 @@ def _offsets(layout: ZooLayout) -> dict[str, int]:
     }
 
 
-def test_zoo_names_are_covered():
-    assert set(ZOO) == set(STOCK_REGIONS)
-    assert build_zoo_layout("synthetic/glm-draft-storage").synthetic
-    assert not build_zoo_layout("glm53-mtp/BLHNC").synthetic
+def test_only_the_synthetic_layout_is_hand_built():
+    assert [name for name in ZOO if build_zoo_layout(name).synthetic] == [
+        "synthetic/glm-draft-storage"
+    ]
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -77,7 +56,7 @@ def test_zoo_layout_handshakes(name, real_nixl):
     prefill = make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
     decode = make_zoo_worker(decode_layout, engine_id=f"D-{name}", coalesce=False)
     try:
-        assert prefill.num_regions == decode.num_regions == STOCK_REGIONS[name]
+        assert prefill.num_regions == decode.num_regions > 0
         assert connect(decode, prefill)
         assert prefill.engine_id in decode.dst_xfer_side_handles
         # Every view lives in one of the raws, and the raws are writable.
@@ -121,57 +100,6 @@ def test_hisparse_layout_has_device_row_and_host_pool():
     # View-less HiSparse specs hand the runner the raw 1-D device buffer.
     assert any(cache.dim() == 1 for cache in layout.kv_caches.values())
     assert all(cache.dtype == torch.int8 for cache in layout.raws)
-
-
-@pytest.mark.parametrize(
-    "decode_name,prefill_name,accepted",
-    [
-        ("hisparse-glm53/BLHNC", "glm53/BLHNC", True),
-        ("glm53-mtp+host-staging/BLHNC", "glm53-mtp/BLHNC", True),
-        ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC", False),
-        ("dsv32/BLHNC", "dsv32-pp2-stage0/BLHNC", False),
-        ("dsv32/LBNHC", "dsv32/BLHNC", True),
-        ("dsv32/BLHNC", "dsv32/LBNHC", False),
-    ],
-)
-def test_stock_cross_pairings(decode_name, prefill_name, accepted):
-    """What stock registration accepts between different zoo layouts."""
-    decode = make_zoo_worker(
-        build_zoo_layout(decode_name), engine_id="D", coalesce=False, real_nixl=False
-    )
-    prefill = make_zoo_worker(
-        build_zoo_layout(prefill_name), engine_id="P", coalesce=False, real_nixl=False
-    )
-    if accepted:
-        assert connect(decode, prefill)
-    else:
-        with pytest.raises(RuntimeError, match="Packed KV block rows differ"):
-            connect(decode, prefill)
-
-
-@pytest.mark.parametrize(
-    "name,seed_d,accepted",
-    [("glm53-mtp/BLHNC", 2, False), ("dsv32/LBNHC", 2, True)],
-)
-def test_stock_permuted_pairings(name, seed_d, accepted):
-    """P and D with different page orders: refused only for whole-row regions."""
-    decode = make_zoo_worker(
-        build_zoo_layout(name, permute_seed=seed_d),
-        engine_id="D",
-        coalesce=False,
-        real_nixl=False,
-    )
-    prefill = make_zoo_worker(
-        build_zoo_layout(name, permute_seed=1),
-        engine_id="P",
-        coalesce=False,
-        real_nixl=False,
-    )
-    if accepted:
-        assert connect(decode, prefill)
-    else:
-        with pytest.raises(RuntimeError, match="Packed KV block rows differ"):
-            connect(decode, prefill)
 
 
 def test_glm_at_78_layers():

@@ -8,6 +8,7 @@ its stock case (``oracle_case``): the same pair, except that a side with
 ``mirror_host_buffers`` staging is held against stock with that side on the
 device (stock ignores the option). The fork must:
 
+- register as many regions per side as stock;
 - accept exactly the pairs stock accepts, failing at the same step
   (handshake or READ) otherwise;
 - leave every byte of the decoder's device allocations as stock leaves them
@@ -46,6 +47,9 @@ def test_pair_matches_stock(stock: dict, case: Case):
     want = stock[oracle_case(case).name]
     got = run_case(case)
     assert got["accepted"] == want["accepted"], (got["error"], want["error"])
+    # Registration: as many regions per side as stock (a mirrored staging
+    # side: as many as the device layout it mirrors).
+    assert got["regions"] == want["regions"]
     if not want["accepted"]:
         # Refused at the same step; the exception may say more than stock's.
         assert got["error"].split(":")[0] == want["error"].split(":")[0]

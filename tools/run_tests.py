@@ -10,6 +10,12 @@ Run it with the project venv's python after `tools/fork.py build` (that is what
 * ``series``: pytest over the test files the manifest's patches add.
 * ``roundtrip``: ``tools/fork.py roundtrip``.
 * ``pytest``: an upstream pytest selection (run inside build/vllm/tests).
+* ``checks``: the project-level checks (``checks/``, not exported): the layout
+  zoo, the real-NIXL pairing matrix held against stock 0.33.0 (run first on
+  ``build/stock``, a worktree of the pristine tag), descriptor floors.
+* ``mutations``: each exported test file must fail on a fork with one
+  deliberate break (``MUTATIONS``).
+* ``lint:project``: ruff over the project's own Python (``tools/ruff.toml``).
 
 Counts come from ``--junitxml``; pytest exit 5 (nothing collected) is 0 tests,
 not a failure, and is noted in the table. Logs and junit files go to
@@ -125,6 +131,7 @@ SUITES: list[Suite] = [
     # Upstream's pre-commit hook (markdownlint-cli2, its config), on docs.
     _lint("markdownlint", r"\.md$", "{markdownlint}", "--config",
           "tools/pre_commit/.markdownlint.yaml"),
+    Suite("lint:project", "lint-project", quick=True),
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     # `fork.py build` then `save` must leave the repository as it is.
@@ -146,7 +153,47 @@ SUITES: list[Suite] = [
         "v1/core/test_single_type_kv_cache_manager.py",
         "v1/core/test_deferred_block_free.py",
     )),
+    Suite("checks", "checks", workers=2),
+    Suite("mutations", "mutations"),
 ]  # fmt: skip
+
+STOCK_TREE = ROOT / "build" / "stock"
+CHECKS_OUT = ROOT / "build" / "checks"
+
+# One deliberate break per exported test file: (test file under tests/, file
+# of the fork, text to replace, replacement). The test file must fail on it.
+MUTATIONS: list[tuple[str, str, str, str]] = [
+    (
+        "v1/kv_connector/unit/test_nixl_transfer_order.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py",
+        'order = np.argsort(np.asarray(local), kind="stable")',
+        "order = np.arange(len(local))",
+    ),
+    (
+        "v1/core/test_block_pool_allocation_order.py",
+        "vllm/v1/core/block_pool.py",
+        'ret.sort(key=attrgetter("block_id"))',
+        "pass",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_host_staging.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/host_staging.py",
+        "if merged and start <= merged[-1][1]:",
+        "if merged and start < merged[-1][1]:",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "if not plan.changes_reads:",
+        "if True:",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_region_coalescing.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
+        "and np.array_equal(remote_offsets, remote_offsets[head_pos])",
+        "and True",
+    ),
+]
 
 
 @dataclass
@@ -215,10 +262,13 @@ def run_env() -> dict[str, str]:
         VLLM_TARGET_DEVICE="cpu",
         PYTHONPATH=str(TREE),
         PATH=f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",
+        # Compile vLLM once for every test process, outside the trees.
+        PYTHONPYCACHEPREFIX=str(CACHE / "pyc"),
         # Keep tool caches out of build/vllm so it stays clean.
         RUFF_CACHE_DIR=str(CACHE / "ruff"),
         MYPY_CACHE_DIR=str(CACHE / "mypy" / "default"),
     )
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
@@ -660,6 +710,108 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     return sorted(results, key=lambda r: r.name)
 
 
+PROJECT_PY = ("tools", "checks")
+
+
+def run_lint_project(log: Path, env: dict[str, str]) -> Result:
+    """ruff check and format over the project's own Python files."""
+    files = sorted(
+        str(f.relative_to(ROOT)) for d in PROJECT_PY for f in (ROOT / d).rglob("*.py")
+    )
+    config = ["--config", str(ROOT / "tools" / "ruff.toml")]
+    ok = True
+    for cmd in (["ruff", "check", *config], ["ruff", "format", "--check", *config]):
+        ok &= run_logged([*cmd, *files], ROOT, log, env) == 0
+    findings = count_findings(log.read_text(encoding="utf-8"))
+    return Result(
+        "lint:project",
+        passed=int(ok),
+        failed=int(not ok),
+        note=f"{plural(len(files), 'file')}, {plural(findings, 'finding')}",
+    )
+
+
+def stock_worktree(log: Path) -> Path:
+    """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
+    if (STOCK_TREE / ".git").exists() and git_ok(
+        "-C", str(STOCK_TREE), "diff", "--quiet", BASE_TAG
+    ):
+        return STOCK_TREE
+    subprocess.run(["git", "worktree", "remove", "--force", str(STOCK_TREE)],
+                   cwd=TREE, capture_output=True)  # fmt: skip
+    shutil.rmtree(STOCK_TREE, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=TREE, capture_output=True)
+    run_logged(["git", "worktree", "add", "-q", "--detach", str(STOCK_TREE),
+                BASE_TAG], TREE, log, dict(os.environ))  # fmt: skip
+    return STOCK_TREE
+
+
+def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """The stock oracle on build/stock (two shards at once), then checks/."""
+    stock = stock_worktree(log)
+    CHECKS_OUT.mkdir(parents=True, exist_ok=True)
+    senv = dict(env, PYTHONPATH=f"{stock}{os.pathsep}{ROOT}")
+    procs = []
+    with open(log, "a", encoding="utf-8") as out:
+        for shard in range(2):
+            cmd = [PYTHON, "-m", "checks.pairing_matrix", "--oracle",
+                   "--shard", f"{shard}/2",
+                   "--json", str(CHECKS_OUT / f"stock-{shard}.json")]  # fmt: skip
+            out.write(f"$ PYTHONPATH={senv['PYTHONPATH']} {' '.join(cmd)}\n")
+            out.flush()
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=senv, stdout=out,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+    if any(proc.wait() != 0 for proc in procs):
+        return Result(suite.name, failed=1, note="stock oracle failed (see log)")
+    merged: dict[str, object] = {}
+    for shard in range(2):
+        merged |= json.loads((CHECKS_OUT / f"stock-{shard}.json").read_text())
+    oracle = CHECKS_OUT / "stock_matrix.json"
+    oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
+    cenv = dict(env, PYTHONPATH=f"{TREE}{os.pathsep}{ROOT}", STOCK_MATRIX=str(oracle))
+    res = run_pytest(suite.name, ["checks"], None, suite.workers, log, cenv, cwd=ROOT)
+    res.note = f"{len(merged)} stock cases; {res.note}"
+    return res
+
+
+def run_mutations(log: Path, env: dict[str, str]) -> Result:
+    """Each exported test file fails on a fork with its deliberate break."""
+    worktree = ROOT / "build" / "mutant"
+    subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                   cwd=TREE, capture_output=True)  # fmt: skip
+    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
+                    "HEAD"], cwd=TREE, check=True)  # fmt: skip
+    wenv = dict(env, PYTHONPATH=str(worktree))
+    res = Result("mutations")
+    missed = []
+    try:
+        for test, target, old, new in MUTATIONS:
+            path = worktree / target
+            text = path.read_text(encoding="utf-8")
+            if text.count(old) != 1:
+                res.failed += 1
+                missed.append(f"{Path(test).name}: mutation no longer applies")
+                continue
+            path.write_text(text.replace(old, new), encoding="utf-8")
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
+            rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                             "-x", test], worktree / "tests", log, wenv)  # fmt: skip
+            path.write_text(text, encoding="utf-8")
+            if rc == 1:
+                res.passed += 1
+            else:
+                res.failed += 1
+                missed.append(f"{Path(test).name}: exit {rc}, not caught")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
+                       cwd=TREE, capture_output=True)  # fmt: skip
+    res.note = f"{res.passed} of {len(MUTATIONS)} breaks caught" + (
+        "; " + "; ".join(missed) if missed else ""
+    )
+    return res
+
+
 def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Result]:
     log = RESULTS / f"{suite.name.replace(':', '-')}.log"
     log.write_text("", encoding="utf-8")
@@ -667,6 +819,12 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         return run_bisect(log, env)
     if suite.kind == "lint":
         res = run_lint(suite, touched, log, env)
+    elif suite.kind == "lint-project":
+        res = run_lint_project(log, env)
+    elif suite.kind == "checks":
+        res = run_checks(suite, log, env)
+    elif suite.kind == "mutations":
+        res = run_mutations(log, env)
     elif suite.kind == "series":
         paths = series_test_files()
         if not paths:

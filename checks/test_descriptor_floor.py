@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""READs post exactly the list floor on dense regions, with real NIXL.
+
+A READ's list floor is the fewest descriptors its block lists allow: the
+pieces it moves, merged wherever they are contiguous on both sides (and NIXL
+never merges across two regions). For dense regions (length == block stride:
+a whole BLHNC row, LBNHC layer slabs, mirrored staging rows) that is
+``regions x runs``, where ``runs`` counts the (local, remote) block pairs
+after merging every pair whose successor is ``(local + 1, remote + 1)``.
+
+The block lists come from two real ``BlockPool`` instances (prefiller and
+decoder) driven by a seeded churn of allocations and tail-first frees with
+prefix caching, under the queue and the sorted allocation policies. The
+expected count is computed here from those lists; NIXL's telemetry says what
+the decoder's read path posted.
+"""
+
+import random
+
+import pytest
+
+from checks.layout_zoo import build_zoo_layout, fill_pattern, make_zoo_worker, zero
+from checks.real_nixl import connect, probe_real_nixl, pull_request
+
+pytest.importorskip("nixl")
+
+NUM_BLOCKS = 512
+# (layout, dense regions at 4 layers + the MTP layer)
+LAYOUTS = [
+    ("glm53-mtp/BLHNC", 1),
+    ("glm53-mtp/LBNHC", 10),
+    ("glm53-mtp+mirrored-staging/BLHNC", 1),
+]
+
+
+def churned_lists(policy: str, seed: int, count: int) -> list[list[int]]:
+    """Block lists of ``count`` allocations from a churned pool."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    pool.sort_new_blocks = policy == "sorted"
+    rng = random.Random(seed)
+    live: list[list] = []
+    lists: list[list[int]] = []
+    next_hash = 0
+    while len(lists) < count:
+        if live and (rng.random() < 0.45 or pool.get_num_free_blocks() < 64):
+            blocks = live.pop(rng.randrange(len(live)))
+            # Managers free a request's tail first.
+            pool.free_blocks(reversed(blocks))
+            continue
+        blocks = pool.get_new_blocks(rng.randint(2, 48))
+        for block in blocks[: rng.randint(0, len(blocks))]:
+            next_hash += 1
+            key = BlockHash(next_hash.to_bytes(8, "little"))
+            pool._insert_block_hash(
+                make_block_hash_with_group_id(key, 0), block, num_tokens=None
+            )
+        live.append(blocks)
+        if len(live) > 4:
+            lists.append([block.block_id for block in blocks])
+    return lists
+
+
+def runs(local: list[int], remote: list[int]) -> int:
+    """(local, remote) pairs merged where both sides continue: the floor."""
+    pairs = sorted(zip(local, remote, strict=True))
+    return 1 + sum(
+        (b[0], b[1]) != (a[0] + 1, a[1] + 1)
+        for a, b in zip(pairs, pairs[1:], strict=False)
+    )
+
+
+@pytest.fixture(scope="module")
+def nixl_ok() -> None:
+    reason = probe_real_nixl()
+    if reason is not None:
+        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
+
+
+@pytest.mark.parametrize("policy", ["queue", "sorted"])
+@pytest.mark.parametrize(("name", "regions"), LAYOUTS)
+def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
+    remote_lists = churned_lists(policy, seed=1, count=12)
+    local_lists = churned_lists(policy, seed=2, count=12)
+    p_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
+    d_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
+    fill_pattern(p_layout, seed=3)
+    zero(d_layout)
+    prefill = make_zoo_worker(p_layout, engine_id="prefill", coalesce=True)
+    decode = make_zoo_worker(d_layout, engine_id="decode", coalesce=True)
+    try:
+        assert prefill.num_regions == decode.num_regions == regions
+        connect(decode, prefill)
+        floors, posted = [], []
+        for remote, local in zip(remote_lists, local_lists, strict=True):
+            n = min(len(remote), len(local))
+            local, remote = local[:n], remote[:n]
+            if prefill.use_host_buffer:
+                from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E501
+                    NixlConnectorMetadata,
+                )
+
+                meta = NixlConnectorMetadata()
+                meta.add_new_req_to_save("req", [remote], {})
+                prefill.save_kv_to_host(meta)
+            result = pull_request(decode, prefill, [local], [remote])
+            floors.append(regions * runs(local, remote))
+            posted.append(result.descriptors)
+        assert posted == floors
+        # The lists are not trivially one run each.
+        assert sum(floors) > regions * len(floors)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
