@@ -13,7 +13,7 @@ transfer telemetry gives the descriptors each READ posted.
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from unittest.mock import MagicMock, patch
 
@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import torch
 
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
@@ -53,10 +54,10 @@ def require_nixl():
 
 
 def plan_mla_caches(
-    num_layers: int, page_bytes: int, num_blocks: int, layout: str, *, staging=False
+    num_layers: int, page_bytes: int, num_blocks: int, layout: str
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """Plan and allocate ``num_layers`` MLA caches as an engine would."""
-    config = _config(layout, staging)
+    config = _config(layout)
     config.model_config.max_model_len = 2 * BLOCK_SIZE
     config.cache_config.num_gpu_blocks_override = num_blocks
     spec = MLAAttentionSpec(
@@ -75,11 +76,9 @@ def plan_mla_caches(
     return kv_cache_config, caches
 
 
-def _config(layout: str, staging: bool):
+def _config(layout: str):
     config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
     config.cache_config.kv_cache_layout = layout
-    if staging:
-        config.kv_transfer_config.kv_buffer_device = "cpu"
     return config
 
 
@@ -89,9 +88,9 @@ def make_worker(
     layout: str,
     nixl_cls: type,
     *,
-    staging: bool = False,
+    configure: Callable[[VllmConfig], None] | None = None,
 ) -> NixlPullConnectorWorker:
-    """A registered pull worker; ``staging`` stages through host buffers."""
+    """A registered pull worker; ``configure`` may adjust its config."""
     backend = MagicMock()
     backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
     backend.get_name.return_value = "FLASHMLA"
@@ -105,14 +104,10 @@ def make_worker(
             stack.enter_context(patch.object(bw, name, return_value=value))
         stack.enter_context(patch.object(bw, "NixlWrapper", nixl_cls))
         stack.enter_context(patch("threading.Thread"))
-        if staging:
-            # A CPU platform never stages: pretend to be an accelerator.
-            stack.enter_context(
-                patch.object(bw.current_platform, "device_type", "cuda")
-            )
-        worker = NixlPullConnectorWorker(
-            _config(layout, staging), str(uuid.uuid4()), kv_cache_config
-        )
+        config = _config(layout)
+        if configure is not None:
+            configure(config)
+        worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
         worker.use_mla = True
         worker.register_kv_caches(caches)
     return worker

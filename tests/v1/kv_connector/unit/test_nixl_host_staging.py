@@ -2,9 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NIXL host staging buffers that mirror the device KV allocations."""
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.host_staging import (
     PageLayout,
     RowSpan,
@@ -53,8 +56,37 @@ def _copy_blocks(src, dst, src_ids, dst_ids, direction):
         dst[name][torch.tensor(dst_ids)] = src[name][torch.tensor(src_ids)]
 
 
+def _staging(mirror: bool):
+    def configure(config):
+        config.kv_transfer_config.kv_buffer_device = "cpu"
+        config.kv_transfer_config.kv_connector_extra_config["mirror_host_buffers"] = (
+            mirror
+        )
+
+    return configure
+
+
+def _make(config, caches, layout, nixl, staging):
+    if staging is None:
+        return make_worker(config, caches, layout, nixl)
+    # A CPU platform never stages: build the worker as an accelerator's.
+    with patch.object(bw.current_platform, "device_type", "cuda"):
+        worker = make_worker(config, caches, layout, nixl, configure=staging)
+    worker.set_host_xfer_buffer_ops(_copy_blocks)
+    return worker
+
+
+def _fill(caches, role):
+    for cache in caches.values():
+        cache.view(torch.uint8).copy_(
+            torch.randint(1, 255, cache.shape, dtype=torch.uint8)
+            if role == "prefill"
+            else torch.zeros(cache.shape, dtype=torch.uint8)
+        )
+
+
 @pytest.mark.parametrize("staged", ["prefill", "decode", "both"])
-def test_staged_blocks_read_byte_exact(staged):
+def test_mirrored_staging_reads_byte_exact(staged):
     nixl = nixl_cls()
     num_layers, page, layout = 4, 128, "BLHNC"
     local, remote = [9, 8, 7, 3], [20, 19, 18, 30]
@@ -62,22 +94,14 @@ def test_staged_blocks_read_byte_exact(staged):
     try:
         for role in ("prefill", "decode"):
             config, caches = plan_mla_caches(num_layers, page, 40, layout)
-            for cache in caches.values():
-                cache.view(torch.uint8).copy_(
-                    torch.randint(1, 255, cache.shape, dtype=torch.uint8)
-                    if role == "prefill"
-                    else torch.zeros(cache.shape, dtype=torch.uint8)
-                )
-            stage = staged in (role, "both")
-            worker = make_worker(config, caches, layout, nixl, staging=stage)
-            if stage:
-                worker.set_host_xfer_buffer_ops(_copy_blocks)
-                # One host allocation shaped like the device row: one region.
-                assert len({c.untyped_storage().data_ptr() for c in caches.values()})
-                assert worker.num_regions == 1
+            _fill(caches, role)
+            stage = _staging(True) if staged in (role, "both") else None
+            worker = _make(config, caches, layout, nixl, stage)
+            # One host allocation shaped like the device row: one region.
+            assert worker.num_regions == 1
             sides.append((worker, caches))
         (prefill, p_caches), (decode, d_caches) = sides
-        # Stock refused a staging prefiller for a device BLHNC decoder.
+        # Stock refuses per-layer staging rows for a whole-row decoder.
         handshake(decode, prefill)
         if prefill.use_host_buffer:
             meta = NixlConnectorMetadata()
@@ -93,6 +117,31 @@ def test_staged_blocks_read_byte_exact(staged):
             assert not cache[others].any(), name
     finally:
         for worker, _ in sides:
+            worker.shutdown()
+
+
+def test_staging_keeps_per_layer_buffers_unless_mirrored():
+    nixl = nixl_cls()
+    config, caches = plan_mla_caches(4, 128, 8, "BLHNC")
+    worker = _make(config, caches, "BLHNC", nixl, _staging(False))
+    try:
+        assert worker.num_regions == 4
+        assert not worker._staged_rows
+    finally:
+        worker.shutdown()
+
+
+def test_a_mirrored_decoder_names_the_option_when_rows_differ():
+    nixl = nixl_cls()
+    sides = []
+    try:
+        for layout, staging in (("LBNHC", None), ("BLHNC", _staging(True))):
+            config, caches = plan_mla_caches(4, 128, 8, layout)
+            sides.append(_make(config, caches, layout, nixl, staging))
+        with pytest.raises(RuntimeError, match="mirror_host_buffers"):
+            handshake(sides[1], sides[0])
+    finally:
+        for worker in sides:
             worker.shutdown()
 
 
