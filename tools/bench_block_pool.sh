@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# The block-pool figures: the allocator micro-benchmark (contiguous vs queue
-# per get_new_blocks call, every pool state and size, JSON for the cover
-# letters) and the agentic replay (runs per transfer, hit rate). Run after
+# The block-pool figures, in one process: the allocator micro-benchmark
+# (tools/bench/block_pool_alloc.py: sorted vs queue order per get_new_blocks
+# call, every pool state and size, JSON for the cover letters) whose replay
+# state is the full agentic replay (tools/bench/block_pool_replay.py: runs per
+# transfer, hit rate, its table and run-length plot). Run after
 # `bash tools/main.sh` or `tools/fork.py build`; extra arguments go to the
-# micro-benchmark (e.g. --quick).
+# micro-benchmark (e.g. --quick: 100k-block pools and a short replay).
+#
+# Writes build/bench/block_pool_alloc.json (rows), block_pool_alloc.txt (what
+# it printed), block_pool_replay.png and block_pool_alloc.log (stderr).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,11 +20,12 @@ TREE=$ROOT/build/vllm
 [[ -d $TREE/.git ]] || { echo "bench_block_pool: run tools/fork.py build first" >&2; exit 1; }
 mkdir -p build/bench
 export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$TREE"
-echo "bench_block_pool: allocator micro-benchmark"
-if ! "$VPY" "$TREE/benchmarks/benchmark_block_pool_alloc.py" \
-    --json build/bench/block_pool_alloc.json "$@" 2>build/bench/block_pool_alloc.log; then
+echo "bench_block_pool: allocator micro-benchmark and agentic replay"
+if ! "$VPY" tools/bench/block_pool_alloc.py \
+    --json build/bench/block_pool_alloc.json \
+    "--replay-args=--plot build/bench/block_pool_replay.png" --replay-report \
+    "$@" 2>build/bench/block_pool_alloc.log | tee build/bench/block_pool_alloc.txt; then
   tail -n 20 build/bench/block_pool_alloc.log >&2
   exit 1
 fi
-echo "bench_block_pool: agentic replay"
-exec "$VPY" "$TREE/benchmarks/benchmark_block_pool_replay.py" --plot build/bench/block_pool_replay.png
+echo "bench_block_pool: done in ${SECONDS}s (build/bench/block_pool_alloc.json)"
