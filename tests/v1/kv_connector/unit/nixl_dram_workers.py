@@ -54,7 +54,7 @@ def require_nixl():
 
 
 def plan_mla_caches(
-    num_layers: int, page_bytes: int, num_blocks: int, layout: str
+    num_layers: int, page_bytes: int, num_blocks: int, layout: str, device="cpu"
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """Plan and allocate ``num_layers`` MLA caches as an engine would."""
     config = _config(layout)
@@ -71,7 +71,7 @@ def plan_mla_caches(
     (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
     kv_cache_config.kv_cache_layout = layout
     caches = allocate_kv_cache(
-        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
+        kv_cache_config, torch.device(device), KVCacheLayout[layout], [BLOCK_SIZE]
     )
     return kv_cache_config, caches
 
@@ -127,12 +127,18 @@ def pull(
     prefill: NixlPullConnectorWorker,
     local_block_ids: Sequence[int],
     remote_block_ids: Sequence[int],
+    *,
+    local_groups: int = 1,
 ) -> int:
-    """Read one request through D's read path; return the descriptors posted."""
+    """Read one request through D's read path; return the descriptors posted.
+
+    The block ids are one transfer group's; ``local_groups`` repeats the
+    local ones for each of D's groups (a HiSparse decoder has two).
+    """
     req_id = f"req-{uuid.uuid4()}"
     meta = ReqMeta(
-        local_block_ids=[list(local_block_ids)],
-        local_physical_block_ids=[list(local_block_ids)],
+        local_block_ids=[list(local_block_ids)] * local_groups,
+        local_physical_block_ids=[list(local_block_ids)] * local_groups,
         tp_size=1,
         remote=RemoteMeta(
             block_ids=[list(remote_block_ids)],
