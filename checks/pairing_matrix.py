@@ -117,25 +117,28 @@ CASES = [
 ]
 
 
-def device_equivalent(layout: str) -> str:
-    """The device layout a mirrored staging layout must pair like."""
-    return layout.replace("+mirrored-staging", "")
-
-
 def oracle_case(case: Case) -> Case:
     """The stock case a fork case is held against.
 
     Stock ignores ``mirror_host_buffers`` (it stages in per-layer buffers), so
     a side with mirrored staging is held against stock with that side on the
     device: a mirrored staging instance must pair, and leave the decoder's
-    device bytes, exactly like a device instance of its layout.
+    device bytes, exactly like a device instance of its layout. A mirrored
+    decoder keeps stock staging's own limit (no P/D block sizes that differ
+    with host buffers), so for that variant it is held against stock staging.
     """
-    p, d = (device_equivalent(side.layout) for side in (case.prefill, case.decode))
-    if (p, d) == (case.prefill.layout, case.decode.layout):
+    variant = case.name.rsplit(":", 1)[1]
+    p_layout = case.prefill.layout.replace("+mirrored-staging", "")
+    d_layout = case.decode.layout.replace(
+        "+mirrored-staging", "+host-staging" if variant == "block-size" else ""
+    )
+    if (p_layout, d_layout) == (case.prefill.layout, case.decode.layout):
         return case
-    name = case.name.replace(case.prefill.layout, p, 1)
-    name = name.replace(case.decode.layout, d, 1)
-    return Case(name, replace(case.prefill, layout=p), replace(case.decode, layout=d))
+    return Case(
+        f"{p_layout}->{d_layout}:{variant}",
+        replace(case.prefill, layout=p_layout),
+        replace(case.decode, layout=d_layout),
+    )
 
 
 ORACLE_CASES = list({c.name: c for c in map(oracle_case, CASES)}.values())
@@ -159,11 +162,23 @@ def _error(e: BaseException | None) -> str | None:
     return None if e is None else type(e).__name__
 
 
-def _digest(raws) -> str:
+def _digest_and_clear(caches, raws) -> tuple[str, bool]:
+    """Digest of every cache view's bytes (by name), then whether the views
+    held every written byte: zeroed, the allocations must be all zero.
+
+    Views, not allocations, are digested: an allocation's leading alignment
+    bytes depend on its address (the HiSparse host pool's do).
+    """
+    import torch
+
     h = hashlib.sha256()
-    for raw in raws:
-        h.update(raw.numpy().tobytes())
-    return h.hexdigest()
+    for name in sorted(caches):
+        view = caches[name]
+        h.update(name.encode())
+        h.update(view.contiguous().view(torch.uint8).numpy().tobytes())
+    for view in caches.values():
+        view.zero_()
+    return h.hexdigest(), not any(bool(raw.any()) for raw in raws)
 
 
 def _landed(d_layout, p_layout, decode, prefill, local, remote) -> int:
@@ -263,14 +278,19 @@ def run_case(case: Case) -> dict[str, Any]:
             decode.sync_recved_kv_to_device(
                 "req", SimpleNamespace(local_physical_block_ids=local)
             )
+        landed = (
+            _landed(d_layout, p_layout, decode, prefill, local, remote)
+            if ratio == 1 and not decode._has_mamba
+            else None
+        )
+        digest, untouched = _digest_and_clear(d_layout.kv_caches, d_device_raws)
         out.update(
             accepted=True,
             descriptors=result.descriptors,
             total_bytes=result.total_bytes,
-            digest=_digest(d_device_raws),
-            landed=_landed(d_layout, p_layout, decode, prefill, local, remote)
-            if ratio == 1 and not decode._has_mamba
-            else None,
+            digest=digest,
+            untouched=untouched,
+            landed=landed,
         )
         return out
     finally:

@@ -55,5 +55,6 @@ def test_pair_matches_stock(stock: dict, case: Case):
         assert got["error"].split(":")[0] == want["error"].split(":")[0]
         return
     assert got["digest"] == want["digest"], f"{case.name}: decoder bytes != stock"
+    assert got["untouched"], f"{case.name}: bytes written outside the cache views"
     assert got["total_bytes"] == want["total_bytes"]
     assert got["descriptors"] <= want["descriptors"]
