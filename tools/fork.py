@@ -813,19 +813,41 @@ def cmd_save(args: argparse.Namespace) -> int:
 # summary
 
 
-def diff_stats(text: str) -> tuple[int, int, int, int]:
-    """(files, hunks, added lines, removed lines) of a unified diff."""
-    files = hunks = plus = minus = 0
-    for line in text.splitlines():
-        if line.startswith("diff --git "):
-            files += 1
-        elif line.startswith("@@"):
-            hunks += 1
-        elif line.startswith("+") and not line.startswith("+++ "):
-            plus += 1
-        elif line.startswith("-") and not line.startswith("--- "):
-            minus += 1
-    return files, hunks, plus, minus
+def _kind(path: str) -> str:
+    """What a file of the series is, for the summary's line counts."""
+    if path.startswith("tests/"):
+        return "tests"
+    if path.startswith("docs/") or path.endswith(".md"):
+        return "docs"
+    if path.startswith((".buildkite/", "docker/")):
+        return "ci"
+    return "code"
+
+
+KINDS = ("code", "docs", "tests", "ci")
+
+
+def patch_lines(patch: Patch) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per kind: its new files and its diff."""
+    counts = dict.fromkeys(KINDS, (0, 0))
+
+    def add(path: str, plus: int, minus: int) -> None:
+        old = counts[_kind(path)]
+        counts[_kind(path)] = (old[0] + plus, old[1] + minus)
+
+    for path in patch.files:
+        text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
+        add(path, len(text.splitlines()), 0)
+    if patch.diff and (ROOT / patch.diff).is_file():
+        path = ""
+        for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
+            if line.startswith("diff --git "):
+                path = line.split(" b/", 1)[1]
+            elif line.startswith("+") and not line.startswith("+++ "):
+                add(path, 1, 0)
+            elif line.startswith("-") and not line.startswith("--- "):
+                add(path, 0, 1)
+    return counts
 
 
 def cmd_summary(_: argparse.Namespace) -> int:
@@ -833,17 +855,16 @@ def cmd_summary(_: argparse.Namespace) -> int:
     if not manifest.patches:
         print(f"series on vLLM {VLLM_VERSION}: empty series (0 patches)")
         return 0
-    print(f"series on vLLM {VLLM_VERSION}: {len(manifest.patches)} patch(es)")
-    header = ("#", "name", "new", "diff", "hunks", "+/-", "subject")
+    print(
+        f"series on vLLM {VLLM_VERSION}: {len(manifest.patches)} patch(es); "
+        "lines added/removed per kind (new files and diffs to upstream files)"
+    )
+    header = ("#", "name", *KINDS, "subject")
     rows: list[tuple[str, ...]] = []
     for index, p in enumerate(manifest.patches, start=1):
-        if p.diff and (ROOT / p.diff).is_file():
-            text = (ROOT / p.diff).read_text(encoding="utf-8")
-            nfiles, hunks, plus, minus = diff_stats(text)
-            diff = (str(nfiles), str(hunks), f"+{plus}/-{minus}")
-        else:
-            diff = ("-", "-", "-")
-        rows.append((f"{index:04d}", p.name, str(len(p.files)), *diff, p.subject))
+        counts = patch_lines(p)
+        cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
+        rows.append((f"{index:04d}", p.name, *cells, p.subject))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
