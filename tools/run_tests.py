@@ -132,14 +132,15 @@ SUITES: list[Suite] = [
     _lint("markdownlint", r"\.md$", "{markdownlint}", "--config",
           "tools/pre_commit/.markdownlint.yaml"),
     Suite("lint:project", "lint-project", quick=True),
+    # The series' Buildkite CPU job, its pytest command lines verbatim.
+    Suite("buildkite:nixl-cpu-job", "buildkite", quick=True),
+    # Series test files that job does not run (the GPU tests: they skip here).
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
     # Every shorter prefix of the series: its patch's lint and tests there.
     Suite("bisect", "bisect"),
-    Suite("nixl-desc-geometry", "pytest", workers=2, stock=254,
-          paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
           paths=(f"{UNIT}/test_nixl_connector.py",)),
     Suite("nixl-connector-hma", "pytest", marker="cpu_test", workers=2, stock=98,
@@ -157,6 +158,12 @@ SUITES: list[Suite] = [
     Suite("mutations", "mutations"),
 ]  # fmt: skip
 
+# The series' CPU job in the fork's Buildkite config (it also runs upstream's
+# test_nixl_desc_geometry.py: stock 254 passed).
+CPU_JOB = (
+    ".buildkite/test_areas/disaggregated.yaml",
+    "nixlconnector-unit-real-nixl-cpu",
+)
 STOCK_TREE = ROOT / "build" / "stock"
 CHECKS_OUT = ROOT / "build" / "checks"
 
@@ -235,6 +242,26 @@ def touched_files() -> list[str]:
         "diff", "--name-only", "--no-renames", "--diff-filter=d", f"{BASE_TAG}..HEAD"
     )
     return [f for f in files if not PRECOMMIT_EXCLUDE.match(f)]
+
+
+def cpu_job_commands() -> list[list[str]]:
+    """The pytest command lines of the series' Buildkite CPU job."""
+    import shlex
+
+    import yaml
+
+    path, key = CPU_JOB
+    if not (TREE / path).is_file():
+        return []
+    steps = yaml.safe_load((TREE / path).read_text(encoding="utf-8"))["steps"] or []
+    for step in steps:
+        if step.get("key") == key:
+            return [
+                shlex.split(cmd)
+                for cmd in step["commands"]
+                if cmd.startswith("pytest ")
+            ]
+    return []
 
 
 def series_test_files() -> list[str]:
@@ -825,8 +852,25 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = run_checks(suite, log, env)
     elif suite.kind == "mutations":
         res = run_mutations(log, env)
+    elif suite.kind == "buildkite":
+        res = Result(suite.name)
+        commands = cpu_job_commands()
+        if not commands:
+            res.note = f"no step {CPU_JOB[1]} in {CPU_JOB[0]} yet"
+        for i, cmd in enumerate(commands):
+            junit = RESULTS / f"buildkite-{i}.xml"
+            junit.unlink(missing_ok=True)
+            full = [PYTHON, "-m", *cmd, "-p", "no:cacheprovider", f"--junitxml={junit}"]
+            rc = run_logged(full, TREE / "tests", log, env)
+            counts = parse_junit(junit) if junit.exists() else JunitCounts(failed=1)
+            res.passed += counts.passed
+            res.skipped += counts.skipped
+            res.failed += counts.failed or int(rc not in (0, 5))
+        if commands:
+            res.note = f"{plural(len(commands), 'pytest command')} of {CPU_JOB[1]}"
     elif suite.kind == "series":
-        paths = series_test_files()
+        in_job = {arg for cmd in cpu_job_commands() for arg in cmd}
+        paths = [f for f in series_test_files() if f not in in_job]
         if not paths:
             return [Result(suite.name, note="no series test files")]
         res = run_pytest(suite.name, paths, suite.marker, suite.workers, log, env)
