@@ -2,16 +2,18 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # The main job: set up the env, build the patched vLLM tree (build/vllm) and
-# run the series' NIXL descriptor benchmark from it, then print the regions
-# each planner-built P/D pair reads (tools/zoo_regions.py); while the series has no
-# benchmark yet, print the series summary instead. Extra arguments go to the
-# benchmark.
+# run the main job (tools/bench/nixl_main_job.py) against it: NIXL
+# descriptors and time per READ for five P/D scenarios, against their floors.
+# Writes build/bench/nixl_descriptors.json and prints the tables rendered from
+# it, then the regions per zoo P/D pair (tools/zoo_regions.py,
+# build/bench/zoo_regions.json). Extra arguments go to the job (default:
+# --out build/bench --verify sample).
+#
+# FORK_NO_BUILD=1 skips `fork.py build` and runs against build/vllm as it is
+# (for someone who is editing that tree: build would reset unsaved work).
 set -euo pipefail
 
-# Benchmark script, relative to the fork tree (build/vllm).
-BENCH=${BENCH:-benchmarks/kv_transfer/bench_nixl_descriptors.py}
-# Its results go under the repo's build/bench: build/vllm is reset (git clean)
-# by every `fork.py build`. Used only when no arguments are given.
+BENCH=tools/bench/nixl_main_job.py
 BENCH_DEFAULT_ARGS=(--out build/bench --verify sample)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,28 +27,28 @@ HF_DIR=${HF_DIR:-build/hf}
 case $HF_DIR in /*) ;; *) HF_DIR=$ROOT/$HF_DIR ;; esac
 
 bash tools/setup_env.sh
-"$VPY" tools/fork.py build
-
-if [[ -f $TREE/$BENCH ]]; then
-  if [[ $# == 0 ]]; then
-    set -- "${BENCH_DEFAULT_ARGS[@]}"
-    mkdir -p build/bench
-  fi
-  echo "main: running $BENCH $*"
-  export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$TREE"
-  "$VPY" "$TREE/$BENCH" "$@"
-  # Where coalescing changes the reads, per planner-built P/D pair.
-  echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
-  mkdir -p build/bench
-  # Its library log lines (CPU-only, offline: no compiled kernels, no weights)
-  # go to a file; the table goes to stdout.
-  if ! "$VPY" tools/zoo_regions.py --json build/bench/zoo_regions.json \
-      2>build/bench/zoo_regions.log; then
-    tail -n 20 build/bench/zoo_regions.log >&2
+if [[ ${FORK_NO_BUILD:-0} == 1 ]]; then
+  if [[ ! -d $TREE/.git ]]; then
+    echo "main: FORK_NO_BUILD=1 but there is no build/vllm; run without it once" >&2
     exit 1
   fi
-  echo "main: zoo_regions library log (expected CPU/offline warnings): build/bench/zoo_regions.log"
-  exit 0
+  echo "main: FORK_NO_BUILD=1: using build/vllm as it is ($(git -C "$TREE" log -1 --format='%h %s'))"
+else
+  "$VPY" tools/fork.py build
 fi
-echo "main: no $BENCH in the fork yet; series summary:"
-exec "$VPY" tools/fork.py summary
+
+# The JSON names the command that wrote it (the tables quote it).
+export MAIN_JOB_COMMAND="bash tools/main.sh${*:+ $*}"
+if [[ $# == 0 ]]; then
+  set -- "${BENCH_DEFAULT_ARGS[@]}"
+fi
+mkdir -p build/bench
+echo "main: running $BENCH $*"
+export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
+export PYTHONPATH="$TREE:$ROOT"
+"$VPY" "$BENCH" "$@"
+# Regions per planner-built P/D pair beyond the job's five scenarios, stock
+# and with the series (recorded NIXL, ~20 s).
+echo
+echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
+"$VPY" tools/zoo_regions.py --json build/bench/zoo_regions.json

@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where coalesced reads change anything: regions per zoo P/D pair.
+"""Regions per planner-built P/D pair, stock and with the series.
 
-For each prefill/decode pair of the fork's planner-built layout zoo
-(``tests/v1/kv_connector/unit/nixl_layout_zoo.py``, GLM-5.3 layer count by
-default), build a prefill worker and a coalescing decode worker with the real
-registration and handshake (NIXL recorded, not called: the plan does not
-depend on it) and print how many regions stock registers and how many the
-decoder reads after coalescing. Run with the fork on PYTHONPATH (tools/main.sh
-does).
+For each prefill/decode pair of the project's planner-built layout zoo
+(``checks/layout_zoo.py``, GLM-5.3's layer count by default) build the two
+workers twice with the real registration and handshake (NIXL recorded, not
+called: registration and the read plan do not depend on it):
 
-    python tools/zoo_regions.py [--layers 78] [--json FILE]
+- stock: per-layer host staging buffers, standard reads;
+- series: mirrored host staging (``kv_connector_extra_config``
+  ``mirror_host_buffers``) where a side stages, coalesced reads on the decoder.
+
+and print the regions each side registers and the regions the decoder reads.
+"refused" is a handshake the worker refuses (as stock does for that pair).
+Run with the fork and the repository on PYTHONPATH:
+
+    PYTHONPATH=build/vllm:. python tools/zoo_regions.py [--layers 78] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,8 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+from unittest.mock import patch
 
 PAIRS = [
+    ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
     ("glm53-mtp/BLHNC", "glm53-mtp/BLHNC"),
     ("dsv32/BLHNC", "dsv32/BLHNC"),
     ("dsv32/LBNHC", "dsv32/LBNHC"),
@@ -27,70 +37,115 @@ PAIRS = [
     ("mla-swa/BLHNC", "mla-swa/BLHNC"),
     ("gpt-oss/BLHNC", "gpt-oss/BLHNC"),
     ("nemotron-h/LBNHC", "nemotron-h/LBNHC"),
+    ("glm53-mtp+host-staging/BLHNC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC"),
+    ("glm53-mtp+host-staging/BLHNC", "glm53-mtp/BLHNC"),
+    ("dsv32+host-staging/LBNHC", "dsv32+host-staging/LBNHC"),
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
-    ("dsv32/BLHNC", "hisparse-glm53/BLHNC"),
     ("synthetic/glm-draft-storage", "synthetic/glm-draft-storage"),
 ]
+
+
+def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> Any:
+    """A recorded-NIXL worker; stock or series staging and reads."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+
+    layout = zoo.build_zoo_layout(name, num_blocks=16, num_layers=layers)
+    if series and layout.host_staging:
+        configure = layout.configure
+
+        def mirror(config: Any) -> None:
+            if configure is not None:
+                configure(config)
+            extra = config.kv_transfer_config.kv_connector_extra_config
+            extra["mirror_host_buffers"] = True
+
+        layout = replace(layout, configure=mirror)
+    if series:
+        return zoo.make_zoo_worker(
+            layout, engine_id=engine_id, coalesce=True, real_nixl=False
+        ), layout
+    with patch.object(
+        bw.NixlBaseConnectorWorker, "_mirrors_host_xfer_buffers", lambda self: False
+    ):
+        worker = zoo.make_zoo_worker(
+            layout, engine_id=engine_id, coalesce=False, real_nixl=False
+        )
+    return worker, layout
+
+
+def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict:
+    prefill, _ = _worker(zoo, p_name, layers, "prefill", series)
+    decode, d_layout = _worker(zoo, d_name, layers, "decode", series)
+    row: dict[str, Any] = {
+        "prefill_regions": prefill.num_regions,
+        "decode_regions": decode.num_regions,
+        "synthetic": d_layout.synthetic,
+    }
+    try:
+        zoo.connect(decode, prefill)
+        reads = getattr(decode, "_coalesced_reads", {}).get(("prefill", 0))
+        row["read_as"] = len(reads.plan.runs) if reads else decode.num_regions
+        row["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the worker refuses this pair
+        row["read_as"] = None
+        row["status"] = f"refused ({type(e).__name__})"
+    decode.shutdown()
+    prefill.shutdown()
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=78)
-    parser.add_argument("--json", default=None, help="also write rows here")
+    parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
-    from tests.v1.kv_connector.unit.nixl_layout_zoo import (
-        build_zoo_layout,
-        connect,
-        make_zoo_worker,
-    )
+    # The main job's filter: log lines every CPU-only run prints are hidden
+    # and counted, any other line is shown once.
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    from nixl_main_job import NOISE, _filter_library_handlers, _hide_expected_noise
+
+    _hide_expected_noise()
+    import checks.layout_zoo as zoo
+
+    _filter_library_handlers()
 
     rows = []
     for p_name, d_name in PAIRS:
-        if "hisparse" in d_name and p_name.startswith("dsv32"):
-            continue  # HiSparse zoo layouts use GLM-5.3 specs
-        p_layout = build_zoo_layout(p_name, num_blocks=16, num_layers=args.layers)
-        d_layout = build_zoo_layout(d_name, num_blocks=16, num_layers=args.layers)
-        prefill = make_zoo_worker(
-            p_layout, engine_id="prefill", coalesce=False, real_nixl=False
-        )
-        decode = make_zoo_worker(
-            d_layout, engine_id="decode", coalesce=True, real_nixl=False
-        )
-        try:
-            connect(decode, prefill)
-            reads = decode._coalesced_reads.get(("prefill", 0))
-            read_as = len(reads.plan.runs) if reads else decode.num_regions
-            status = "ok"
-        except Exception as e:  # noqa: BLE001 - stock refuses this pair too
-            read_as, status = None, f"refused ({type(e).__name__})"
+        stock = _pair(zoo, p_name, d_name, args.layers, series=False)
+        series = _pair(zoo, p_name, d_name, args.layers, series=True)
         rows.append(
-            dict(
-                prefill=p_name,
-                decode=d_name,
-                synthetic=d_layout.synthetic,
-                regions=decode.num_regions,
-                read_as=read_as,
-                status=status,
-            )
+            {"prefill": p_name, "decode": d_name, "stock": stock, "series": series}
         )
-        decode.shutdown()
-        prefill.shutdown()
+
+    def cell(side: dict) -> str:
+        regions = f"{side['prefill_regions']} / {side['decode_regions']}"
+        if side["read_as"] is None:
+            return f"{regions}, {side['status']}"
+        if side["read_as"] != side["decode_regions"]:
+            regions += f" -> {side['read_as']}"
+        return regions
 
     print(
-        f"| P -> D ({args.layers} layers) | regions (stock) | read as (coalescing D) |"
+        f"| P -> D ({args.layers} layers) | regions P / D (stock) | "
+        "regions P / D -> read (series) |"
     )
     print("| --- | --- | --- |")
     for row in rows:
         label = f"{row['prefill']} -> {row['decode']}"
-        if row["synthetic"]:
+        if row["stock"]["synthetic"]:
             label += " (SYNTHETIC)"
-        read_as = row["read_as"] if row["read_as"] is not None else row["status"]
-        print(f"| {label} | {row['regions']} | {read_as} |")
+        print(f"| {label} | {cell(row['stock'])} | {cell(row['series'])} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    hidden = sum(NOISE.hidden.values())
+    if hidden or NOISE.repeats:
+        print(
+            f"({hidden} log lines every CPU-only run prints hidden, "
+            f"{NOISE.repeats} repeats of lines shown once)"
+        )
     return 0
 
 
