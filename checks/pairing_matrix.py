@@ -117,6 +117,26 @@ CASES = [
 ]
 
 
+def _with_layouts(case: Case, p_layout: str, d_layout: str) -> Case:
+    if (p_layout, d_layout) == (case.prefill.layout, case.decode.layout):
+        return case
+    variant = case.name.rsplit(":", 1)[1]
+    return Case(
+        f"{p_layout}->{d_layout}:{variant}",
+        replace(case.prefill, layout=p_layout),
+        replace(case.decode, layout=d_layout),
+    )
+
+
+def device_case(case: Case) -> Case:
+    """The case with every mirrored staging side on the device instead."""
+    return _with_layouts(
+        case,
+        case.prefill.layout.replace("+mirrored-staging", ""),
+        case.decode.layout.replace("+mirrored-staging", ""),
+    )
+
+
 def oracle_case(case: Case) -> Case:
     """The stock case a fork case is held against.
 
@@ -127,21 +147,18 @@ def oracle_case(case: Case) -> Case:
     decoder keeps stock staging's own limit (no P/D block sizes that differ
     with host buffers), so for that variant it is held against stock staging.
     """
-    variant = case.name.rsplit(":", 1)[1]
-    p_layout = case.prefill.layout.replace("+mirrored-staging", "")
-    d_layout = case.decode.layout.replace(
-        "+mirrored-staging", "+host-staging" if variant == "block-size" else ""
-    )
-    if (p_layout, d_layout) == (case.prefill.layout, case.decode.layout):
-        return case
-    return Case(
-        f"{p_layout}->{d_layout}:{variant}",
-        replace(case.prefill, layout=p_layout),
-        replace(case.decode, layout=d_layout),
+    if not case.name.endswith(":block-size"):
+        return device_case(case)
+    return _with_layouts(
+        case,
+        case.prefill.layout.replace("+mirrored-staging", ""),
+        case.decode.layout.replace("+mirrored-staging", "+host-staging"),
     )
 
 
-ORACLE_CASES = list({c.name: c for c in map(oracle_case, CASES)}.values())
+ORACLE_CASES = list(
+    {c.name: c for f in (oracle_case, device_case) for c in map(f, CASES)}.values()
+)
 
 
 def _request(worker, rng: random.Random, per_group: int) -> list[list[int]]:
