@@ -116,7 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         stock = _pair(zoo, p_name, d_name, args.layers, series=False)
         series = _pair(zoo, p_name, d_name, args.layers, series=True)
         rows.append(
-            {"prefill": p_name, "decode": d_name, "stock": stock, "series": series}
+            {
+                "prefill": p_name,
+                "decode": d_name,
+                "stock": stock,
+                "series": series,
+                # Flat keys of the older rows (tools/cover_letters.py): the
+                # decoder's stock regions and how the series reads them.
+                "synthetic": stock["synthetic"],
+                "regions": stock["decode_regions"],
+                "read_as": series["read_as"],
+                "status": series["status"],
+            }
         )
 
     def cell(side: dict) -> str:

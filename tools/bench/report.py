@@ -190,7 +190,11 @@ def _definitions(payload: dict[str, Any]) -> list[str]:
 
 
 def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
-    where = f"`{json_path}`" if json_path else "the main job's JSON"
+    where = "the main job's JSON"
+    if json_path:
+        path = Path(json_path).resolve()
+        root = DEFAULT_JSON.parents[2]
+        where = f"`{path.relative_to(root) if path.is_relative_to(root) else path}`"
     return (
         f"From {where}, written by `{payload['written_by']}` at "
         f"{payload['written_at']} ({payload['elapsed_s']:.0f} s)."
@@ -231,6 +235,25 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
     return "\n".join(lines)
 
 
+def render_tables(payload: dict[str, Any]) -> list[str]:
+    """The descriptor and time tables and their definitions, as Markdown lines.
+
+    For renderers that load the JSON themselves and add their own source
+    line (``tools/cover_letters.py``'s ``SOURCES``).
+    """
+    rows = _rows(payload)
+    lines = _markdown([DESC_HEAD, *(_desc_cells(s, v) for s, v in rows)])
+    lines.append("")
+    lines += _markdown([TIME_HEAD, *(_time_cells(s, v) for s, v in rows)])
+    lines.append("")
+    lines += [
+        f"- {line.strip()}" if not line.startswith("    ") else f"  - {line.strip()}"
+        for line in _legend(payload)
+    ]
+    lines += [f"- {line}" for line in _definitions(payload)]
+    return lines
+
+
 def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
     """README / cover-letter tables of the main job, from its JSON.
 
@@ -243,7 +266,6 @@ def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
 
     """
     payload = load(json_path)
-    rows = _rows(payload)
     lines = [
         payload["setup"],
         "",
@@ -253,18 +275,10 @@ def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
         + " "
         + payload["verification"]["text"],
         "",
+        *render_tables(payload),
+        "",
+        f"_{_source(payload, json_path)}_",
     ]
-    lines += _markdown([DESC_HEAD, *(_desc_cells(s, v) for s, v in rows)])
-    lines.append("")
-    lines += _markdown([TIME_HEAD, *(_time_cells(s, v) for s, v in rows)])
-    lines.append("")
-    lines += [
-        f"- {line.strip()}" if not line.startswith("    ") else f"  - {line.strip()}"
-        for line in _legend(payload)
-    ]
-    lines += [f"- {line}" for line in _definitions(payload)]
-    lines.append("")
-    lines.append(f"_{_source(payload, json_path)}_")
     return "\n".join(lines)
 
 
