@@ -27,8 +27,10 @@ planner and allocator (``checks/layout_zoo.py``) at 78 layers:
    row + a draft MLA cache in its own allocation, 102 regions), the row of the
    upstream change's report; vLLM 0.33.0's allocator never builds it.
 
-Variants: ``stock`` (every lever off), ``series`` (every lever on) and the
-series without one lever, per lever the scenario has. The levers:
+Variants: ``stock`` (every lever off) and ``series`` (every lever on) in every
+scenario (per pairing for host staging); scenarios 1 and 2 add each of their
+two levers alone (``ordered``: ordered transfers on the stock pool's lists;
+``sorted-pool``: the sorted pool's lists in stock order). The levers:
 
 - order: ``stock`` posts each group's block pairs as the scheduler lists them;
   ``ordered`` is 0001 (``sort_block_pairs``, ascending local ids).
@@ -56,11 +58,17 @@ block ids are the replay's 64-token blocks.
 Per variant: one cold READ (the variant's first, reported on its own), then
 ``--transfers`` READs, interleaved transfer by transfer with the scenario's
 other variants (rotating which goes first). Each READ is followed by its time
-floor; a cache-evicting pass precedes the READ, the floor and the staging
-copies. Byte verification (``--verify``): ``every`` READ, or a ``sample`` (the
-cold READ, every 10th, the largest) where the decoder's caches after the READ
-(and the h2d copy) must equal the prefiller's pages; the decoder's buffers are
-scanned for stray bytes after the cold READs and at the end either way.
+floor; a cache-evicting pass precedes the d2h copy, the READ and the floor.
+Staging copies: the d2h copy of the request's whole block list (as a
+prefiller saves it) is timed on the sampled READs (the cold one, every 10th,
+the largest), other READs refresh only the blocks they read, untimed; the h2d
+copy of the READ's blocks is timed on every READ. Byte verification
+(``--verify``): ``every`` READ, or the ``sample`` READs, where the decoder's
+caches after the READ (and the h2d copy) must equal the prefiller's pages; the
+decoder's buffers are scanned for stray bytes after the cold READs and at the
+end either way. Every buffer is written once before the first READ, so no
+READ or copy pays first-touch page faults (registered memory is pinned in a
+deployment).
 
 JSON (``<out>/nixl_descriptors.json``, schema 3; ``tools/bench/report.py``
 renders every table from it)::
