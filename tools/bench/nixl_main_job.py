@@ -674,7 +674,7 @@ def synthetic_block_lists(args: argparse.Namespace) -> BlockLists:
     return BlockLists(
         by_policy,
         n,
-        f"SYNTHETIC: geometric runs, mean {args.mean_run:g} (queue) / "
+        f"seeded, geometric runs, mean {args.mean_run:g} (queue) / "
         f"{args.pool_mean_run:g} (sorted, ascending), {args.request_blocks:,} "
         f"blocks per READ, decoder ids shifted by {shift:,}",
         True,
