@@ -27,7 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 COVERS = ROOT / "series" / "covers"
 BENCH = ROOT / "build" / "bench"
 RESULTS = ROOT / "build" / "test-results"
-DIRECTIVE = re.compile(r"^<!-- table: (?P<name>[a-z0-9-]+) -->$")
+# ``<!-- table: NAME -->`` or ``<!-- table: NAME:ARG -->`` (e.g. the main job's
+# scenarios ``main-job:1,2``), and ``<!-- lines -->`` for the patch's size.
+DIRECTIVE = re.compile(
+    r"^<!-- table: (?P<name>[a-z0-9-]+)(:(?P<arg>[a-z0-9,-]+))? -->$"
+)
+LINES = "<!-- lines -->"
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class Source:
 
     path: Path
     command: str
-    render: Callable[[Any], list[str]]
+    render: Callable[[Any, str | None], list[str]]
 
 
 def _num(value: Any) -> str:
@@ -55,8 +60,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return out
 
 
-def render_zoo_regions(rows: list[dict[str, Any]]) -> list[str]:
-    """tools/zoo_regions.py --json: regions stock reads vs the coalescing D."""
+def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
+    """tools/zoo_regions.py --json: regions stock reads vs the series' decoder."""
     body = []
     for row in rows:
         label = f"{row['prefill']} -> {row['decode']}"
@@ -64,10 +69,10 @@ def render_zoo_regions(rows: list[dict[str, Any]]) -> list[str]:
             label += " (SYNTHETIC)"
         read_as = row["read_as"] if row["read_as"] is not None else row["status"]
         body.append((label, row["regions"], read_as))
-    return _table(("P -> D (78 layers)", "regions (stock)", "read as"), body)
+    return _table(("P -> D (78 layers)", "regions (stock)", "series reads"), body)
 
 
-def render_tests(data: dict[str, Any]) -> list[str]:
+def render_tests(data: dict[str, Any], _: str | None) -> list[str]:
     """tools/run_tests.py: build/test-results/summary.json."""
     suites = data["suites"]
     body = [
@@ -80,60 +85,85 @@ def render_tests(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_descriptors(data: dict[str, Any]) -> list[str]:
-    """benchmarks/kv_transfer/bench_nixl_descriptors.py --out DIR (schema 2)."""
-    rows = []
-    for v in data["variants"]:
-        scenario = v["scenario"] + (" (SYNTHETIC)" if v["synthetic_layout"] else "")
-        lists = v["lists"] + ("" if v["lists"] == "replay" else " (SYNTHETIC)")
-        rows.append(
-            (
-                scenario,
-                v["read"],
-                f"{v['policy']} ({lists})",
-                v["transfers"],
-                v["descs"]["p50"],
-                v["descs"]["p95"],
-                v["min_descs"]["p50"],
-                f"{v['ratio_to_min']:.2f}x",
-                v["done_ms"]["p50"],
-                v["done_ms"]["p95"],
-                v["done_ms"]["p99"],
-                v["cold_ms"],
-                f"{v['ratio_to_stock']['descs_p50']:.3f}x",
-                f"{v['ratio_to_stock']['done_ms_p50']:.3f}x",
-            )
+def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
+    """tools/bench/nixl_main_job.py: the scenarios listed (``1,2``), or all."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import report  # tools/bench/report.py
+
+    if data.get("schema") != report.SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+    if scenarios:
+        wanted = {f"({n})" for n in scenarios.split(",")}
+        keys = {s["key"] for s in data["scenarios"] if s["short"] in wanted}
+        data = dict(
+            data,
+            scenarios=[s for s in data["scenarios"] if s["key"] in keys],
+            variants=[v for v in data["variants"] if v["scenario"] in keys],
         )
-    header = ("scenario", "read", "pool (lists)", "READs", "descs p50", "descs p95",
-              "min p50", "x min", "done ms p50", "p95", "p99", "cold ms",
-              "descs / stock", "done p50 / stock")  # fmt: skip
-    return _table(header, rows)
+    return [data["setup"], "", data["verification"]["text"], "",
+            *report.render_tables(data)]  # fmt: skip
 
 
-def render_allocator(rows: list[dict[str, Any]]) -> list[str]:
-    """benchmarks/benchmark_block_pool_alloc.py --json PATH (list of rows)."""
+def render_allocator(rows: list[dict[str, Any]], _: str | None) -> list[str]:
+    """tools/bench/block_pool_alloc.py --json PATH: worst n > 1 cell per state."""
+    worst: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["n"] == 1 and r["state"] != "replay":
+            continue  # single-block calls never sort
+        best = worst.get(r["state"])
+        if best is None or r["ratio med"] > best["ratio med"]:
+            worst[r["state"]] = r
     body = [
-        (r["state"], r["pool"], r["n"], f"{r['ratio med']:.2f}",
-         f"{r['ratio p99']:.2f}", r["runs queue"], r["runs contig"])
-        for r in rows
+        (r["state"], r["pool"], r["n"], f"{r['queue med us']:,.1f}",
+         f"{r['sorted med us']:,.1f}", f"{r['ratio med']:.2f}",
+         f"{r['ratio p99']:.2f}", f"{r['extra ns/block']:,.0f}",
+         r["runs queue"], r["runs sorted"])
+        for r in worst.values()
     ]  # fmt: skip
-    header = ("pool state", "pool blocks", "blocks/call", "time / queue (median)",
-              "time / queue (p99)", "runs queue", "runs contiguous")  # fmt: skip
-    worst = (max(r["ratio med"] for r in rows), max(r["ratio p99"] for r in rows))
+    header = ("pool state", "pool blocks", "blocks/call", "queue us (median)",
+              "sorted us (median)", "sorted / queue (median)", "(p99)",
+              "extra ns/block", "runs queue", "runs sorted")  # fmt: skip
     return [
         *_table(header, body),
         "",
-        f"Worst cell: median {worst[0]:.2f}x, p99 {worst[1]:.2f}x the queue "
-        "policy's time per call.",
+        "Per pool state, the multi-block cell with the highest median ratio "
+        "(single-block calls excluded: they never sort).",
     ]
+
+
+def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
+    """benchmarks/kv_transfer/bench_nixl_descriptors.py --json PATH."""
+    return [data["report"].split("\n\n")[0], "", *_exported_table(data["results"])]
+
+
+def _exported_table(rows: list[dict[str, Any]]) -> list[str]:
+    body = [
+        (r["scenario"], r["variant"], r["regions"], r["reads"],
+         f"{r['descs_p50']:,.0f}", f"{r['descs_p95']:,.0f}",
+         "-" if r["floor_p50"] < 0 else f"{r['floor_p50']:,.0f}",
+         f"{r['done_ms_p50']:,.2f}", f"{r['done_ms_p95']:,.2f}",
+         f"{r['descs_vs_stock']:.3f}x", f"{r['done_vs_stock']:.3f}x", r["bytes"])
+        for r in rows
+    ]  # fmt: skip
+    header = ("scenario", "variant", "regions", "READs", "descs p50", "descs p95",
+              "floor p50", "done ms p50", "done ms p95", "descs / stock",
+              "done / stock", "bytes")  # fmt: skip
+    return _table(header, body)
 
 
 SOURCES: dict[str, Source] = {
     "zoo-regions": Source(
         BENCH / "zoo_regions.json", "bash tools/main.sh", render_zoo_regions
     ),
-    "descriptors": Source(
-        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_descriptors
+    "main-job": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_main_job
+    ),
+    "exported-bench": Source(
+        BENCH / "bench_nixl_descriptors.json",
+        "bash tools/bench_series.sh",
+        render_exported_bench,
     ),
     "allocator": Source(
         BENCH / "block_pool_alloc.json",
@@ -144,7 +174,7 @@ SOURCES: dict[str, Source] = {
 }
 
 
-def render_table(name: str) -> tuple[list[str], str | None]:
+def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | None]:
     """Lines replacing one directive, and the command to run if it is missing."""
     source = SOURCES.get(name)
     if source is None:
@@ -156,7 +186,8 @@ def render_table(name: str) -> tuple[list[str], str | None]:
         )
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(source.path.stat().st_mtime))
     try:
-        lines = source.render(json.loads(source.path.read_text(encoding="utf-8")))
+        data = json.loads(source.path.read_text(encoding="utf-8"))
+        lines = source.render(data, arg)
     except (ValueError, KeyError, TypeError) as exc:  # an older run's format
         return [
             f"_`{rel}` (written {when}) is not in the format this table reads "
@@ -166,16 +197,32 @@ def render_table(name: str) -> tuple[list[str], str | None]:
     return lines, None
 
 
-def render_cover(text: str) -> tuple[str, list[str]]:
+def render_lines(name: str) -> list[str]:
+    """The patch's added/removed lines per kind (``fork.py summary``)."""
+    import fork  # tools/fork.py
+
+    (patch,) = [p for p in fork.load_manifest().patches if p.name == name]
+    counts = fork.patch_lines(patch)
+    return [
+        "Size (new files and hunks, as `python3 tools/fork.py summary` counts): "
+        + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
+        + "."
+    ]
+
+
+def render_cover(text: str, name: str | None = None) -> tuple[str, list[str]]:
     """Fill a cover template; also return the commands of missing sources."""
     out: list[str] = []
     missing: list[str] = []
     for line in text.splitlines():
+        if line.strip() == LINES and name is not None:
+            out += render_lines(name)
+            continue
         m = DIRECTIVE.match(line.strip())
         if m is None:
             out.append(line)
             continue
-        lines, command = render_table(m.group("name"))
+        lines, command = render_table(m.group("name"), m.group("arg"))
         out += lines
         if command:
             missing.append(command)
@@ -203,7 +250,7 @@ def write_cover_letters(
         template = COVERS / f"{name}.md"
         if not template.exists():
             continue
-        body, lacking = render_cover(template.read_text(encoding="utf-8"))
+        body, lacking = render_cover(template.read_text(encoding="utf-8"), name)
         head = f"# {subject}\n\nPatch: `{patch_file.name}`\n\n"
         dest = out_dir / f"{patch_file.stem}.md"
         dest.write_text(head + body, encoding="utf-8")
@@ -212,17 +259,53 @@ def write_cover_letters(
     return written, missing
 
 
+END_TABLE = "<!-- end table -->"
+
+
+def fill_readme(path: Path = ROOT / "README.md") -> list[str]:
+    """Re-render every table block of the README in place.
+
+    A block starts with a table directive and ends with ``<!-- end table -->``;
+    what lies between is replaced. Returns the commands of missing sources.
+    """
+    out: list[str] = []
+    missing: list[str] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = DIRECTIVE.match(lines[i].strip())
+        i += 1
+        if m is None:
+            continue
+        end = lines.index(END_TABLE, i)
+        rendered, command = render_table(m.group("name"), m.group("arg"))
+        out += ["", *rendered, "", END_TABLE]
+        if command and command not in missing:
+            missing.append(command)
+        i = end + 1
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``cover_letters.py TABLE...``: print tables as the cover letters have them."""
+    """``cover_letters.py TABLE[:ARG]...`` prints tables as the cover letters
+    have them; ``cover_letters.py readme`` re-renders README.md's tables."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("tables", nargs="+", choices=sorted(SOURCES))
+    parser.add_argument("tables", nargs="+", help=f"readme, or {sorted(SOURCES)}")
     args = parser.parse_args(argv)
-    for name in args.tables:
-        lines, missing = render_table(name)
+    if args.tables == ["readme"]:
+        missing = fill_readme()
+        for command in missing:
+            print(f"cover_letters: missing: run `{command}`")
+        return 1 if missing else 0
+    for table in args.tables:
+        name, _, arg = table.partition(":")
+        lines, missing_command = render_table(name, arg or None)
         print("\n".join(lines) + "\n")
-        if missing:
+        if missing_command:
             return 1
     return 0
 
