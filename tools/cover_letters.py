@@ -174,8 +174,26 @@ SOURCES: dict[str, Source] = {
 }
 
 
+def render_patch_sizes() -> list[str]:
+    """Every patch's lines per kind, counted from the repository as it is."""
+    import fork  # tools/fork.py
+
+    body = []
+    for index, patch in enumerate(fork.load_manifest().patches, start=1):
+        counts = fork.patch_lines(patch)
+        cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
+        body.append((f"{index:04d}", patch.name, *cells))
+    return [
+        *_table(("#", "patch", *fork.KINDS), body),
+        "",
+        "_Counted by `python3 tools/fork.py summary` (new files and hunks)._",
+    ]
+
+
 def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | None]:
     """Lines replacing one directive, and the command to run if it is missing."""
+    if name == "patch-sizes":
+        return render_patch_sizes(), None
     source = SOURCES.get(name)
     if source is None:
         raise ValueError(f"unknown table {name!r}; known: {sorted(SOURCES)}")

@@ -247,7 +247,7 @@ def render_tables(payload: dict[str, Any]) -> list[str]:
     lines += _markdown([TIME_HEAD, *(_time_cells(s, v) for s, v in rows)])
     lines.append("")
     lines += [
-        f"- {line.strip()}" if not line.startswith("    ") else f"  - {line.strip()}"
+        f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
         for line in _legend(payload)
     ]
     lines += [f"- {line}" for line in _definitions(payload)]
