@@ -5,6 +5,9 @@
 import pytest
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import sort_block_pairs
 
 from .nixl_dram_workers import handshake, make_worker, plan_mla_caches, pull
@@ -43,7 +46,7 @@ def test_read_posts_one_descriptor_per_run_on_both_sides(layout):
     # Freed requests come back from the free queue tail first: descending.
     local = [7, 6, 5, 12, 11, 2]
     remote = [27, 26, 25, 31, 30, 40]
-    workers = []
+    workers: list[tuple[NixlPullConnectorWorker, dict[str, torch.Tensor]]] = []
     try:
         for _ in range(2):
             config, caches = plan_mla_caches(num_layers, page, 48, layout)
