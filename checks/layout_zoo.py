@@ -1050,6 +1050,21 @@ def make_zoo_worker(
     return worker
 
 
+def with_mirrored_staging(layout: ZooLayout) -> ZooLayout:
+    """The layout with ``mirror_host_buffers`` set for its staging workers."""
+    configure = layout.configure
+
+    def mirror(config: VllmConfig) -> None:
+        if configure is not None:
+            configure(config)
+        assert config.kv_transfer_config is not None
+        config.kv_transfer_config.kv_connector_extra_config["mirror_host_buffers"] = (
+            True
+        )
+
+    return replace(layout, configure=mirror)
+
+
 def row_bytes(layout: ZooLayout) -> int:
     """Bytes per device block row (the largest block stride of the config)."""
     return max(

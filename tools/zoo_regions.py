@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -52,15 +51,7 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
 
     layout = zoo.build_zoo_layout(name, num_blocks=16, num_layers=layers)
     if series and layout.host_staging:
-        configure = layout.configure
-
-        def mirror(config: Any) -> None:
-            if configure is not None:
-                configure(config)
-            extra = config.kv_transfer_config.kv_connector_extra_config
-            extra["mirror_host_buffers"] = True
-
-        layout = replace(layout, configure=mirror)
+        layout = zoo.with_mirrored_staging(layout)
     if series:
         return zoo.make_zoo_worker(
             layout, engine_id=engine_id, coalesce=True, real_nixl=False

@@ -1043,15 +1043,7 @@ def _build_worker(
                 )
             )
         elif staging == "mirrored":
-            configure = layout.configure
-
-            def mirror(config: Any) -> None:
-                if configure is not None:
-                    configure(config)
-                extra = config.kv_transfer_config.kv_connector_extra_config
-                extra["mirror_host_buffers"] = True
-
-            layout = replace(layout, configure=mirror)
+            layout = zoo.with_mirrored_staging(layout)
         worker = zoo.make_zoo_worker(layout, engine_id=engine_id, coalesce=coalesce)
     if staging is not None:
         if not worker.use_host_buffer or worker.copy_blocks is None:
