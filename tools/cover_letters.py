@@ -61,15 +61,32 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
-    """tools/zoo_regions.py --json: regions stock reads vs the series' decoder."""
+    """tools/zoo_regions.py --json: regions P / D in stock and in the series."""
+
+    def side(run: dict[str, Any]) -> str:
+        text = f"{run['prefill_regions']} / {run['decode_regions']}"
+        if run["status"] != "ok":
+            return f"{text}, {run['status']}"
+        read_as = run["read_as"]
+        return (
+            text
+            if read_as in (None, run["decode_regions"])
+            else (f"{text} -> {read_as}")
+        )
+
     body = []
     for row in rows:
         label = f"{row['prefill']} -> {row['decode']}"
         if row.get("synthetic"):
             label += " (SYNTHETIC)"
-        read_as = row["read_as"] if row["read_as"] is not None else row["status"]
-        body.append((label, row["regions"], read_as))
-    return _table(("P -> D (78 layers)", "regions (stock)", "series reads"), body)
+        body.append((label, side(row["stock"]), side(row["series"])))
+    header = ("P -> D (78 layers)", "stock: regions P / D", "series: regions P / D")
+    return [
+        *_table(header, body),
+        "",
+        "`-> N`: the decoder reads its regions as N (coalesced reads). Staging "
+        "rows: the series with `mirror_host_buffers`.",
+    ]
 
 
 def render_tests(data: dict[str, Any], _: str | None) -> list[str]:
