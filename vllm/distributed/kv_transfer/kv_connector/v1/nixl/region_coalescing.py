@@ -39,6 +39,7 @@ class Guard(str, Enum):
     STATE_CACHES = "model has Mamba or CSA-linear state caches"
     CONTEXT_PARALLEL = "decode context parallel"
     SPLIT_READ = "reads are split across remote ranks"
+    DESCRIPTOR_LAYOUT = "not one strided descriptor row per region"
     CACHE_SPEC = "not a replicated MLA region"
     SHARED_GROUP = "region shared by several transfer groups"
     MEMORY = "different registration, memory type or device"
