@@ -708,12 +708,16 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
                     lint_bad.append(name.removeprefix("lint:"))
             tests = patch_test_files(commit)
             notes = [plural(checked, "lint tool")]
-            if tests:
-                sub = run_pytest(res.name, tests, None, 2, log, wenv,
+            # Upstream files run with their suite's marker (as on HEAD).
+            markers = {p: s.marker for s in SUITES for p in s.paths}
+            for marker in dict.fromkeys(markers.get(t) for t in tests):
+                group = [t for t in tests if markers.get(t) == marker]
+                sub = run_pytest(res.name, group, marker, 2, log, wenv,
                                  cwd=worktree / "tests")  # fmt: skip
-                res.passed, res.failed, res.skipped = (
-                    sub.passed, sub.failed, sub.skipped
-                )  # fmt: skip
+                res.passed += sub.passed
+                res.failed += sub.failed
+                res.skipped += sub.skipped
+            if tests:
                 notes.append(plural(len(tests), "test file"))
             added = git_lines(
                 "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit
