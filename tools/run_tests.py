@@ -801,7 +801,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
     cenv = dict(env, PYTHONPATH=f"{TREE}{os.pathsep}{ROOT}", STOCK_MATRIX=str(oracle))
     res = run_pytest(suite.name, ["checks"], None, suite.workers, log, cenv, cwd=ROOT)
-    res.note = f"{len(merged)} stock cases; {res.note}"
+    res.note = f"{len(merged)} stock cases; " + res.note.replace("1 file", "checks/")
     return res
 
 
