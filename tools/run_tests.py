@@ -236,6 +236,21 @@ def git_blob(rev_path: str) -> bytes:
     ).stdout
 
 
+def remove_worktree(path: Path) -> None:
+    """Remove a worktree of build/vllm (and its registration), if any."""
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)],
+                   cwd=TREE, capture_output=True)  # fmt: skip
+
+
+def add_worktree(path: Path, rev: str) -> None:
+    """A fresh detached worktree of build/vllm at ``rev``."""
+    remove_worktree(path)
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=TREE, capture_output=True)
+    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(path), rev],
+                   cwd=TREE, check=True)  # fmt: skip
+
+
 def touched_files() -> list[str]:
     """Files the series adds or modifies (deleted ones cannot be linted)."""
     files = git_lines(
@@ -403,10 +418,7 @@ def update_mypy_baseline() -> int:
         print("no upstream python files modified; baseline unchanged")
         return 0
     worktree = ROOT / "build" / "mypy-base"
-    subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                   cwd=TREE, capture_output=True)  # fmt: skip
-    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
-                    BASE_TAG], cwd=TREE, check=True)  # fmt: skip
+    add_worktree(worktree, BASE_TAG)
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / "mypy-baseline.log"
     log.write_text("")
@@ -414,8 +426,7 @@ def update_mypy_baseline() -> int:
         env["PYTHONPATH"] = str(worktree)
         stock = mypy_errors(worktree, modified, log, env)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                       cwd=TREE, check=False)  # fmt: skip
+        remove_worktree(worktree)
     merged = load_baseline() | stock
     header = [
         ln
@@ -679,10 +690,7 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
         slug = names[k - 1] if k <= len(names) else "unsaved"
         res = Result(f"bisect:{k:04d}-{slug}")
         start = time.monotonic()
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                       cwd=TREE, capture_output=True)  # fmt: skip
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
-                        commit], cwd=TREE, check=True)  # fmt: skip
+        add_worktree(worktree, commit)
         wenv = dict(env, PYTHONPATH=str(worktree))
         try:
             with open(log, "a", encoding="utf-8") as f:
@@ -735,8 +743,7 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
             res.note = "; ".join(notes)
             res.seconds = time.monotonic() - start
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                           cwd=TREE, check=False, capture_output=True)  # fmt: skip
+            remove_worktree(worktree)
         results.append(res)
     return sorted(results, key=lambda r: r.name)
 
@@ -762,24 +769,19 @@ def run_lint_project(log: Path, env: dict[str, str]) -> Result:
     )
 
 
-def stock_worktree(log: Path) -> Path:
+def stock_worktree() -> Path:
     """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
     if (STOCK_TREE / ".git").exists() and git_ok(
         "-C", str(STOCK_TREE), "diff", "--quiet", BASE_TAG
     ):
         return STOCK_TREE
-    subprocess.run(["git", "worktree", "remove", "--force", str(STOCK_TREE)],
-                   cwd=TREE, capture_output=True)  # fmt: skip
-    shutil.rmtree(STOCK_TREE, ignore_errors=True)
-    subprocess.run(["git", "worktree", "prune"], cwd=TREE, capture_output=True)
-    run_logged(["git", "worktree", "add", "-q", "--detach", str(STOCK_TREE),
-                BASE_TAG], TREE, log, dict(os.environ))  # fmt: skip
+    add_worktree(STOCK_TREE, BASE_TAG)
     return STOCK_TREE
 
 
 def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """The stock oracle on build/stock (two shards at once), then checks/."""
-    stock = stock_worktree(log)
+    stock = stock_worktree()
     CHECKS_OUT.mkdir(parents=True, exist_ok=True)
     senv = dict(env, PYTHONPATH=f"{stock}{os.pathsep}{ROOT}")
     procs = []
@@ -808,10 +810,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
 def run_mutations(log: Path, env: dict[str, str]) -> Result:
     """Each exported test file fails on a fork with its deliberate break."""
     worktree = ROOT / "build" / "mutant"
-    subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                   cwd=TREE, capture_output=True)  # fmt: skip
-    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(worktree),
-                    "HEAD"], cwd=TREE, check=True)  # fmt: skip
+    add_worktree(worktree, "HEAD")
     wenv = dict(env, PYTHONPATH=str(worktree))
     res = Result("mutations")
     missed = []
@@ -835,8 +834,7 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
                 res.failed += 1
                 missed.append(f"{Path(test).name}: exit {rc}, not caught")
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
-                       cwd=TREE, capture_output=True)  # fmt: skip
+        remove_worktree(worktree)
     res.note = f"{res.passed} of {len(MUTATIONS)} breaks caught" + (
         "; " + "; ".join(missed) if missed else ""
     )
