@@ -134,9 +134,9 @@ What could not be built as asked, and why:
   (``use_host_buffer = False`` when ``device_type == "cpu"``), so
   ``make_zoo_worker`` patches the platform's ``device_type`` to ``"cuda"``
   while it builds a host-staging worker; the "device" caches are CPU memory.
-  The CPU platform has no ``swap_out_blocks_to_host``, so
-  ``save_kv_to_host`` cannot run here: copy rows into
-  ``worker.host_xfer_buffers`` by hand. The staging buffers are appended to
+  The CPU platform has no ``swap_out_blocks_to_host``, so the worker gets
+  ``real_nixl.cpu_copy_blocks`` (the CUDA platform's per-layer copies on host
+  memory) as its staging copy op. The staging buffers are appended to
   ``layout.raws``, so build one layout per worker.
 * Mamba: built (no blocker). The fake backend supports the manager block size,
   the Mamba page is padded to the attention page (as vLLM's hybrid config

@@ -230,12 +230,6 @@ def _landed(d_layout, p_layout, decode, prefill, local, remote) -> int:
 
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake and pull one case; return what a user could observe."""
-    from types import SimpleNamespace
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        NixlConnectorMetadata,
-    )
-
     from checks.layout_zoo import fill_pattern, zero
 
     p_layout, d_layout = case.prefill.build(), case.decode.build()
@@ -274,10 +268,6 @@ def run_case(case: Case) -> dict[str, Any]:
         ratio = case.decode.block_size // case.prefill.block_size
         local = _request(decode, rng, 4)
         remote = _request(prefill, rng, 4 * ratio)
-        if prefill.use_host_buffer:
-            meta = NixlConnectorMetadata()
-            meta.add_new_req_to_save("req", remote, {})
-            prefill.save_kv_to_host(meta)
         try:
             result = pull_request(
                 decode,
@@ -287,14 +277,11 @@ def run_case(case: Case) -> dict[str, Any]:
                 remote_rank=case.prefill.tp_rank,
                 remote_tp_size=case.prefill.tp_size,
                 num_tokens=4 * ratio * case.prefill.block_size,
+                staging_copies=True,
             )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             out["error"] = f"read: {_error(e)}"
             return out
-        if decode.use_host_buffer:
-            decode.sync_recved_kv_to_device(
-                "req", SimpleNamespace(local_physical_block_ids=local)
-            )
         landed = (
             _landed(d_layout, p_layout, decode, prefill, local, remote)
             if ratio == 1 and not decode._has_mamba

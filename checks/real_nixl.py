@@ -309,11 +309,16 @@ def pull_request(
     remote_tp_size: int = 1,
     num_tokens: int | None = None,
     timeout_s: float = 120.0,
+    staging_copies: bool = False,
 ) -> PullResult:
     """Pull one request through ``NixlPullConnectorWorker._read_blocks_for_req``.
 
     The decode worker must have handshaken with ``prefill`` (``add_remote_agent``).
-    Block ids are per transfer group, as the scheduler hands them over.
+    Block ids are per transfer group, as the scheduler hands them over. With
+    ``staging_copies``, a side that stages through host buffers runs its
+    staging copy as a deployment does (outside ``done_s``): P copies the
+    blocks to its host buffers before the READ (``save_kv_to_host``), D copies
+    what it read to its device caches after it (``sync_recved_kv_to_device``).
 
     Returns:
         The descriptor count and timing of the READs the worker posted.
@@ -323,6 +328,7 @@ def pull_request(
 
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
         RemoteMeta,
         ReqMeta,
     )
@@ -345,6 +351,10 @@ def pull_request(
             num_tokens=num_tokens,
         ),
     )
+    if staging_copies and prefill.use_host_buffer:
+        saved = NixlConnectorMetadata()
+        saved.add_new_req_to_save(req_id, [list(ids) for ids in remote_block_ids], {})
+        prefill.save_kv_to_host(saved)
     nixl = decode.nixl_wrapper
     start = time.perf_counter()
     decode._read_blocks_for_req(req_id, meta)
@@ -368,6 +378,8 @@ def pull_request(
     finally:
         for handle in handles:
             nixl.release_xfer_handle(handle)
+    if staging_copies and decode.use_host_buffer:
+        decode.sync_recved_kv_to_device(req_id, meta)
     return PullResult(
         descriptors=descriptors,
         total_bytes=total_bytes,

@@ -97,15 +97,9 @@ def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
         for remote, local in zip(remote_lists, local_lists, strict=True):
             n = min(len(remote), len(local))
             local, remote = local[:n], remote[:n]
-            if prefill.use_host_buffer:
-                from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E501
-                    NixlConnectorMetadata,
-                )
-
-                meta = NixlConnectorMetadata()
-                meta.add_new_req_to_save("req", [remote], {})
-                prefill.save_kv_to_host(meta)
-            result = pull_request(decode, prefill, [local], [remote])
+            result = pull_request(
+                decode, prefill, [local], [remote], staging_copies=True
+            )
             floors.append(regions * runs(local, remote))
             posted.append(result.descriptors)
         assert posted == floors

@@ -25,6 +25,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
+    NixlConnectorMetadata,
     RemoteMeta,
     ReqMeta,
 )
@@ -133,7 +134,10 @@ def pull(
     """Read one request through D's read path; return the descriptors posted.
 
     The block ids are one transfer group's; ``local_groups`` repeats the
-    local ones for each of D's groups (a HiSparse decoder has two).
+    local ones for each of D's groups (a HiSparse decoder has two). A side
+    that stages through host buffers runs its staging copy as a deployment
+    does: P copies the blocks to its host buffers before the READ
+    (``save_kv_to_host``), D copies what it read to its device caches after.
     """
     req_id = f"req-{uuid.uuid4()}"
     meta = ReqMeta(
@@ -149,6 +153,10 @@ def pull(
             num_tokens=len(remote_block_ids) * BLOCK_SIZE,
         ),
     )
+    if prefill.use_host_buffer:
+        saved = NixlConnectorMetadata()
+        saved.add_new_req_to_save(req_id, [list(remote_block_ids)], {})
+        prefill.save_kv_to_host(saved)
     decode._read_blocks_for_req(req_id, meta)
     assert req_id not in decode._recv_failures
     nixl, descriptors = decode.nixl_wrapper, 0
@@ -159,4 +167,6 @@ def pull(
         assert state == "DONE", state
         descriptors += int(nixl.get_xfer_telemetry(handle).descCount)
         nixl.release_xfer_handle(handle)
+    if decode.use_host_buffer:
+        decode.sync_recved_kv_to_device(req_id, meta)
     return descriptors

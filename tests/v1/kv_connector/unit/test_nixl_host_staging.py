@@ -14,9 +14,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.host_staging import (
     block_runs,
     plan_row_spans,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    NixlConnectorMetadata,
-)
 
 from .nixl_dram_workers import handshake, make_worker, plan_mla_caches, pull
 from .nixl_dram_workers import require_nixl as nixl_cls
@@ -103,14 +100,8 @@ def test_mirrored_staging_reads_byte_exact(staged):
         (prefill, p_caches), (decode, d_caches) = sides
         # Stock refuses per-layer staging rows for a whole-row decoder.
         handshake(decode, prefill)
-        if prefill.use_host_buffer:
-            meta = NixlConnectorMetadata()
-            meta.add_new_req_to_save("req", [remote], {})
-            prefill.save_kv_to_host(meta)
-        # Runs consecutive on both sides: [3], [7-9].
+        # With the staging copies: runs consecutive on both sides: [3], [7-9].
         assert pull(decode, prefill, local, remote) == 2
-        if decode.use_host_buffer:
-            decode.sync_recved_kv_to_device("req", _req_meta(local))
         for name, cache in d_caches.items():
             assert torch.equal(cache[local], p_caches[name][remote]), name
             others = [b for b in range(cache.shape[0]) if b not in local]
@@ -143,9 +134,3 @@ def test_a_mirrored_decoder_names_the_option_when_rows_differ():
     finally:
         for worker in sides:
             worker.shutdown()
-
-
-def _req_meta(local):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(local_physical_block_ids=[local])
