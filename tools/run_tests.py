@@ -171,6 +171,18 @@ CHECKS_OUT = ROOT / "build" / "checks"
 # of the fork, text to replace, replacement). The test file must fail on it.
 MUTATIONS: list[tuple[str, str, str, str]] = [
     (
+        "v1/kv_connector/unit/test_nixl_host_staging_groups.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "for group, group_block_ids in zip(groups, block_ids, strict=True):",
+        "for group, group_block_ids in zip(groups, [sum(block_ids, [])] * 9):",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py",
+        'return "BLHNC"',
+        "return None",
+    ),
+    (
         "v1/kv_connector/unit/test_nixl_transfer_order.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py",
         'order = np.argsort(np.asarray(local), kind="stable")',

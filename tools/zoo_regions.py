@@ -24,7 +24,6 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 PAIRS = [
     ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
@@ -47,8 +46,6 @@ PAIRS = [
 
 def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> Any:
     """A recorded-NIXL worker; stock or series staging and reads."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
-
     layout = zoo.build_zoo_layout(name, num_blocks=16, num_layers=layers)
     if series and layout.host_staging:
         layout = zoo.with_mirrored_staging(layout)
@@ -56,12 +53,10 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
         return zoo.make_zoo_worker(
             layout, engine_id=engine_id, coalesce=True, real_nixl=False
         ), layout
-    with patch.object(
-        bw.NixlBaseConnectorWorker, "_mirrors_host_xfer_buffers", lambda self: False
-    ):
-        worker = zoo.make_zoo_worker(
-            layout, engine_id=engine_id, coalesce=False, real_nixl=False
-        )
+    # Mirrored staging is opt-in: without it a staging layout stages per layer.
+    worker = zoo.make_zoo_worker(
+        layout, engine_id=engine_id, coalesce=False, real_nixl=False
+    )
     return worker, layout
 
 

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The KV cache layout the NIXL connector prefers, and what it registers."""
+
+import logging
+import uuid
+from contextlib import ExitStack
+from unittest.mock import MagicMock, PropertyMock, patch
+
+import pytest
+import torch
+
+from vllm.config import ModelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nc
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from .utils import create_vllm_config
+
+pytestmark = pytest.mark.cpu_test
+
+BLOCK_SIZE = 16
+NUM_LAYERS = 4
+# Layouts of backends that declare none (e.g. FLASHMLA), most preferred first.
+ANY_LAYOUT = [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]]
+
+
+def _mla_specs():
+    """DeepSeek-V3.2-style caches: an MLA page and a DSA indexer page per layer."""
+    mla = MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=656, dtype=torch.uint8
+    )
+    indexer = MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=132, dtype=torch.uint8
+    )
+    specs = {}
+    for i in range(NUM_LAYERS):
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = indexer
+        specs[f"model.layers.{i}.self_attn.attn"] = mla
+    return specs
+
+
+def _config(use_mla=True, cuda=True, **config_kwargs):
+    config = create_vllm_config(block_size=BLOCK_SIZE, **config_kwargs)
+    # A served model's block size comes from its backends unless set by hand.
+    config.cache_config.user_specified_block_size = False
+    config.cache_config.kv_cache_layout = None
+    stack = ExitStack()
+    stack.enter_context(
+        patch.object(
+            ModelConfig, "use_mla", new_callable=PropertyMock, return_value=use_mla
+        )
+    )
+    stack.enter_context(patch.object(nc.current_platform, "is_cuda", lambda: cuda))
+    return config, stack
+
+
+def _resolve(config, supported=ANY_LAYOUT):
+    return resolve_kv_cache_layout(config, supported, _mla_specs().values())
+
+
+@pytest.fixture(autouse=True)
+def _no_layout_override(monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_mla_resolves_to_block_outermost_rows(caplog_vllm):
+    config, stack = _config()
+    caplog_vllm.clear()
+    with stack:
+        assert _resolve(config) == KVCacheLayout.BLHNC
+    assert not _warnings(caplog_vllm)
+
+
+@pytest.mark.parametrize(
+    "use_mla, cuda, user_block_size, expected",
+    [
+        # Head-sharded pages: the layout NIXL requires for heterogeneous TP.
+        (False, True, False, KVCacheLayout.LBHNC),
+        # No preference: the backends' first choice.
+        (True, False, False, KVCacheLayout.LBNHC),
+        (True, True, True, KVCacheLayout.LBNHC),
+    ],
+)
+def test_other_models_keep_their_layout(use_mla, cuda, user_block_size, expected):
+    config, stack = _config(use_mla=use_mla, cuda=cuda)
+    config.cache_config.user_specified_block_size = user_block_size
+    with stack:
+        assert _resolve(config) == expected
+
+
+def test_an_explicit_layout_wins(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    config, stack = _config()
+    with stack:
+        assert _resolve(config) == KVCacheLayout.LBNHC
+
+
+def test_the_preference_yields_to_backends_without_a_warning(caplog_vllm):
+    config, stack = _config()
+    caplog_vllm.clear()
+    with stack:
+        assert _resolve(config, [["LBNHC", "LBHNC"]]) == KVCacheLayout.LBNHC
+    assert not _warnings(caplog_vllm)
+
+
+def test_the_preference_yields_to_a_required_layout():
+    # The offloading connector requires LBHNC; NIXL only prefers BLHNC.
+    connectors = [
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+    ]
+    config, stack = _config(
+        kv_connector="MultiConnector",
+        kv_connector_extra_config={"connectors": connectors},
+    )
+    with stack:
+        assert _resolve(config) == KVCacheLayout.LBHNC
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
+def test_registered_regions_per_layout(layout):
+    """BLHNC rows are one region; LBNHC registers one per layer page."""
+    config, stack = _config()
+    config.cache_config.kv_cache_layout = layout
+    config.cache_config.num_gpu_blocks_override = 8
+    config.model_config.max_model_len = 2 * BLOCK_SIZE
+    specs = [_mla_specs()]
+    groups = get_global_kv_cache_groups(config, specs)
+    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
+    kv_cache_config.kv_cache_layout = layout
+    caches = allocate_kv_cache(
+        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
+    )
+    backend = MagicMock()
+    backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
+    backend.get_name.return_value = "FLASHMLA"
+    nixl = MagicMock()
+    nixl.return_value.get_agent_metadata.return_value = b"agent"
+    with stack:
+        for name, value in (
+            ("get_tensor_model_parallel_rank", 0),
+            ("get_tensor_model_parallel_world_size", 1),
+            ("get_current_attn_backends", [backend]),
+        ):
+            stack.enter_context(patch.object(bw, name, return_value=value))
+        stack.enter_context(patch.object(bw, "NixlWrapper", nixl))
+        stack.enter_context(patch("threading.Thread"))
+        worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
+        worker.register_kv_caches(caches)
+    # One group, one allocation: BLHNC rows hold every page of a block.
+    assert worker.num_regions == (1 if layout == "BLHNC" else 2 * NUM_LAYERS)
