@@ -185,8 +185,15 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     (
         "v1/kv_connector/unit/test_nixl_transfer_order.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py",
-        'order = np.argsort(np.asarray(local), kind="stable")',
+        'order = np.argsort(local_array, kind="stable")',
         "order = np.arange(len(local))",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNotifs"
+        "::test_push_write_posts_block_pairs_in_local_order",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_worker.py",
+        "local_block_ids, remote_block_ids = sort_block_pairs(",
+        "local_block_ids, remote_block_ids = (lambda a, b: (a, b))(",
     ),
     (
         "v1/core/test_block_pool_allocation_order.py",

@@ -41,7 +41,6 @@ import gc
 import importlib.util
 import json
 import math
-import os
 import random
 import statistics
 import time
@@ -59,7 +58,6 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 POLICIES = ("queue", "sorted")
-POLICY_ENV = "VLLM_BLOCK_POOL_ALLOCATION_POLICY"
 # "thread": CPU time of this thread, so that time spent preempted by other
 # processes on a shared machine is not charged to the call that was running.
 CLOCKS = {"thread": time.thread_time_ns, "wall": time.perf_counter_ns}
@@ -80,19 +78,13 @@ def count_block_runs(block_ids: Sequence[int]) -> int:
 
 
 def make_pool(num_blocks: int, policy: str) -> BlockPool:
-    """A caching ``BlockPool`` built with ``policy`` in the environment."""
-    saved = os.environ.get(POLICY_ENV)
-    os.environ[POLICY_ENV] = policy
-    try:
-        pool = BlockPool(
-            num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16
-        )
-    finally:
-        if saved is None:
-            del os.environ[POLICY_ENV]
-        else:
-            os.environ[POLICY_ENV] = saved
-    assert pool.sort_new_blocks == (policy == "sorted"), (policy, pool)
+    """A caching ``BlockPool`` that hands out blocks by ``policy``."""
+    pool = BlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=16,
+        sort_new_blocks=policy == "sorted",
+    )
     return pool
 
 

@@ -21,7 +21,6 @@ Example:
 
 import gc
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -165,18 +164,16 @@ def make_manager(args, policy: str) -> KVCacheManager:
             )
         ],
     )
-    # The pool reads its policy from the environment when it is built ("auto"
-    # would depend on a Scheduler with a KV connector; set it explicitly).
-    os.environ["VLLM_BLOCK_POOL_ALLOCATION_POLICY"] = policy
-    manager = KVCacheManager(
+    # The Scheduler builds the manager with its connector's choice; here the
+    # policy is given directly.
+    return KVCacheManager(
         config,
         max_model_len=args.max_input_tokens + args.block_size,
         scheduler_block_size=args.block_size,
         hash_block_size=args.block_size,
         enable_caching=True,
+        sort_new_blocks=policy == "sorted",
     )
-    manager.block_pool.sort_new_blocks = policy == "sorted"
-    return manager
 
 
 def timed_allocator(pool, stats: PolicyStats) -> Callable[[int], list]:

@@ -26,9 +26,11 @@ def test_sort_block_pairs_keeps_each_pair():
 
 
 def test_sort_block_pairs_leaves_unpaired_groups_alone():
-    # Mamba state or DCP lists are not paired by position.
+    # Mamba state or DCP lists are not paired by position; the paired group
+    # is still sorted.
     local, remote = [[5, 4], [2]], [[15, 14], [9, 3]]
-    assert sort_block_pairs(local, remote) == (local, remote)
+    assert sort_block_pairs(local, remote) == ([[4, 5], [2]], [[14, 15], [9, 3]])
+    assert sort_block_pairs([[5, 4]], [[1], [2]]) == ([[5, 4]], [[1], [2]])
 
 
 def _runs(pairs: list[tuple[int, int]]) -> int:
