@@ -890,11 +890,28 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         if commands:
             res.note = f"{plural(len(commands), 'pytest command')} of {CPU_JOB[1]}"
     elif suite.kind == "series":
+        # The CPU job runs its files' real-NIXL tests (not cpu_test); their
+        # cpu_test tests and the other series files (GPU tests skip) run here.
         in_job = {arg for cmd in cpu_job_commands() for arg in cmd}
-        paths = [f for f in series_test_files() if f not in in_job]
-        if not paths:
+        files = series_test_files()
+        res = Result(suite.name)
+        notes = []
+        for paths, marker, tag in (
+            ([f for f in files if f not in in_job], suite.marker, "other"),
+            ([f for f in files if f in in_job], "cpu_test", "CPU job's cpu_test"),
+        ):
+            if not paths:
+                continue
+            part = run_pytest(
+                f"{suite.name}-{len(notes)}", paths, marker, suite.workers, log, env
+            )
+            res.passed += part.passed
+            res.failed += part.failed
+            res.skipped += part.skipped
+            notes.append(f"{tag}: {part.note}")
+        if not notes:
             return [Result(suite.name, note="no series test files")]
-        res = run_pytest(suite.name, paths, suite.marker, suite.workers, log, env)
+        res.note = "; ".join(notes)
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))

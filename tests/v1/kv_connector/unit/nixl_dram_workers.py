@@ -170,3 +170,51 @@ def pull(
     if decode.use_host_buffer:
         decode.sync_recved_kv_to_device(req_id, meta)
     return descriptors
+
+
+def _storages(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every distinct allocation behind the caches, as one flat byte tensor."""
+    flat: dict[int, torch.Tensor] = {}
+    for cache in caches.values():
+        storage = cache.untyped_storage()
+        flat.setdefault(
+            storage.data_ptr(),
+            torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage),
+        )
+    return list(flat.values())
+
+
+def fill_allocations(caches: dict[str, torch.Tensor]) -> None:
+    """Random bytes, never zero, in every allocation behind the caches."""
+    for raw in _storages(caches):
+        raw.copy_(torch.randint(1, 255, raw.shape, dtype=torch.uint8))
+
+
+def zero_allocations(caches: dict[str, torch.Tensor]) -> None:
+    """Zero every allocation behind the caches (a host pool starts uninitialized)."""
+    for raw in _storages(caches):
+        raw.zero_()
+
+
+def assert_landed(
+    d_caches: dict[str, torch.Tensor],
+    p_caches: dict[str, torch.Tensor],
+    names: Sequence[str],
+    local_block_ids: Sequence[int],
+    remote_block_ids: Sequence[int],
+) -> None:
+    """Each layer's decode blocks hold its prefill blocks; nothing else moved.
+
+    The prefiller's caches hold no zero byte (``fill_allocations``) and the
+    decoder's were zeroed: any other non-zero byte is a stray write.
+    """
+    written = 0
+    for name in names:
+        got, want = d_caches[name], p_caches[name]
+        assert torch.equal(
+            got[list(local_block_ids)].cpu(), want[list(remote_block_ids)].cpu()
+        ), name
+        written += got[list(local_block_ids)].nbytes
+    assert sum(int(torch.count_nonzero(raw)) for raw in _storages(d_caches)) == (
+        written
+    )

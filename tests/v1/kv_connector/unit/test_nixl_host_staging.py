@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NIXL host staging buffers that mirror the device KV allocations."""
 
-from unittest.mock import patch
+from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
@@ -18,9 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.host_staging import (
 from .nixl_dram_workers import handshake, make_worker, plan_mla_caches, pull
 from .nixl_dram_workers import require_nixl as nixl_cls
 
-pytestmark = pytest.mark.cpu_test
 
-
+@pytest.mark.cpu_test
 def test_pages_of_one_block_row_form_spans():
     # Row of 100 B: pages [0, 10) [10, 40) [40, 70) [80, 100); a second
     # allocation with one page per row (LBNHC slab), and a page that
@@ -42,6 +41,7 @@ def test_pages_of_one_block_row_form_spans():
     assert per_layer == ("slab",)
 
 
+@pytest.mark.cpu_test
 def test_block_runs():
     assert block_runs([7, 3, 4, 5, 9, 8, 4]) == [(3, 6), (7, 10)]
     assert block_runs([]) == []
@@ -73,6 +73,12 @@ def _make(config, caches, layout, nixl, staging):
     return worker
 
 
+def _fake_nixl():
+    nixl = MagicMock()
+    nixl.return_value.get_agent_metadata.return_value = b"agent"
+    return nixl
+
+
 def _fill(caches, role):
     for cache in caches.values():
         cache.view(torch.uint8).copy_(
@@ -82,6 +88,8 @@ def _fill(caches, role):
         )
 
 
+# Real NIXL (skipped without it): the NIXL CPU job runs the tests not marked
+# cpu_test.
 @pytest.mark.parametrize("staged", ["prefill", "decode", "both"])
 def test_mirrored_staging_reads_byte_exact(staged):
     nixl = nixl_cls()
@@ -111,8 +119,40 @@ def test_mirrored_staging_reads_byte_exact(staged):
             worker.shutdown()
 
 
+@pytest.mark.cpu_test
+def test_mirrored_buffers_start_zeroed():
+    # A whole-row region also sends the row padding, which no copy writes.
+    config, caches = plan_mla_caches(2, 128, 8, "BLHNC")
+    (row,) = {cache.untyped_storage().nbytes() for cache in caches.values()}
+    # Freed non-zero memory of the host buffer's size, for the allocator to
+    # hand out again.
+    for _ in range(8):
+        torch.full((row,), 7, dtype=torch.uint8)
+    worker = _make(config, caches, "BLHNC", _fake_nixl(), _staging(True))
+    (_, _, host_rows), *_ = worker._staged_rows
+    host = torch.empty(0, dtype=torch.uint8).set_(host_rows.untyped_storage())
+    assert not host.any()
+
+
+@pytest.mark.cpu_test
+def test_mirror_host_buffers_without_staging_is_ignored_with_a_warning():
+    config, caches = plan_mla_caches(2, 128, 8, "BLHNC")
+
+    def mirror(config):
+        config.kv_transfer_config.kv_connector_extra_config["mirror_host_buffers"] = (
+            True
+        )
+
+    with patch.object(bw.logger, "warning_once") as warning:
+        worker = make_worker(config, caches, "BLHNC", _fake_nixl(), configure=mirror)
+    assert not worker.use_host_buffer and not worker._mirror_host_buffers
+    (call,) = [c for c in warning.call_args_list if "mirror_host_buffers" in c.args[0]]
+    assert "not staged in host buffers" in call.args[1]
+
+
+@pytest.mark.cpu_test
 def test_staging_keeps_per_layer_buffers_unless_mirrored():
-    nixl = nixl_cls()
+    nixl = _fake_nixl()
     config, caches = plan_mla_caches(4, 128, 8, "BLHNC")
     worker = _make(config, caches, "BLHNC", nixl, _staging(False))
     try:
@@ -122,8 +162,9 @@ def test_staging_keeps_per_layer_buffers_unless_mirrored():
         worker.shutdown()
 
 
+@pytest.mark.cpu_test
 def test_a_mirrored_decoder_names_the_option_when_rows_differ():
-    nixl = nixl_cls()
+    nixl = _fake_nixl()
     sides = []
     try:
         for layout, staging in (("LBNHC", None), ("BLHNC", _staging(True))):

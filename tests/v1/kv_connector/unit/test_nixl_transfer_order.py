@@ -13,9 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import sort_block_p
 from .nixl_dram_workers import handshake, make_worker, plan_mla_caches, pull
 from .nixl_dram_workers import require_nixl as nixl_cls
 
-pytestmark = pytest.mark.cpu_test
 
-
+@pytest.mark.cpu_test
 def test_sort_block_pairs_keeps_each_pair():
     local = [[9, 3, 4, 5], [8, 1]]
     remote = [[29, 13, 14, 15], [7, 2]]
@@ -25,6 +24,7 @@ def test_sort_block_pairs_keeps_each_pair():
     )
 
 
+@pytest.mark.cpu_test
 def test_sort_block_pairs_leaves_unpaired_groups_alone():
     # Mamba state or DCP lists are not paired by position; the paired group
     # is still sorted.
@@ -41,6 +41,8 @@ def _runs(pairs: list[tuple[int, int]]) -> int:
     )
 
 
+# Real NIXL (skipped without it): the NIXL CPU job runs the tests not marked
+# cpu_test.
 @pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
 def test_read_posts_one_descriptor_per_run_on_both_sides(layout):
     nixl = nixl_cls()
