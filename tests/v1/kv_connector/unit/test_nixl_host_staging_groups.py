@@ -150,9 +150,8 @@ def test_h2d_copies_each_layer_with_its_own_groups_blocks():
     for layers, block_ids in zip(group_layers, REQUEST_BLOCKS):
         for name in layers:
             # What the READ lands in the layer's host buffer.
-            pages = torch.randint(0, 256, caches[name][block_ids].shape).to(
-                torch.uint8
-            )
+            shape = caches[name][block_ids].shape
+            pages = torch.randint(0, 256, shape, dtype=torch.uint8)
             worker.host_xfer_buffers[name][block_ids] = pages
             received[name] = (block_ids, pages)
     for name, (block_ids, pages) in received.items():
