@@ -1,456 +1,299 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""NIXL descriptors per KV READ: stock vs ordered, coalesced and staged reads.
+"""NIXL descriptors and time per KV READ of the NIXL pull worker, on host DRAM.
 
-Two real NIXL agents in one process (UCX; host DRAM, or VRAM with --device
-cuda) register KV caches as the NIXL connector does, and the decoder READs from
-the prefiller as the pull worker does: one strided row ``[addr, len, dev,
-stride, count]`` per region, descriptor ids region-major, one
-``make_prepped_xfer("READ", ...)`` per request, ordered by ``sort_block_pairs``
-and coalesced by ``plan_coalesced_reads``/``coalesce_rows``/``DescIdMap``.
-GLM-5.3-like rows (78 MLA + 23 DSA indexer pages, page bytes / --scale):
-
-- ``row``: one whole-row region (BLHNC MLA row, length == stride).
-- ``lbnhc``: one dense region per layer page (the default LBNHC layout).
-- ``hisparse``: a HiSparse-like decoder (device row of indexer pages, one
-  region each; LBNHC host pool of MLA pages) reading a BLHNC prefiller row.
-- ``staging``: d2h staging copies of a BLHNC row (torch, no NIXL): an indexed
-  copy per layer into per-layer buffers vs row slices per run of blocks into
-  a buffer mirroring the allocation (``mirror_host_buffers``: ``plan_row_spans``,
-  ``block_runs``).
-
-Block lists are SYNTHETIC: seeded, fragmented like a churned pool (runs at
-random places, each in descending id order, shuffled), drawn independently
-for prefiller and decoder. Per READ: NIXL telemetry descCount, the time from
-the read path's first step until DONE, and the list floor (the standard
-read's pieces merged where contiguous on both sides, per allocation). A
-scenario's variants run interleaved; each one's first READ is reported apart.
-
-    python benchmarks/kv_transfer/bench_nixl_descriptors.py --json out.json
+Measures the vLLM tree it imports, as it is: per KV cache layout, vLLM's
+planner and allocator build the caches of a GLM-5.3-like model (MLA layers
+plus DSA indexer caches), and two NixlPullConnectorWorker run the real
+registration, handshake and read path (_read_blocks_for_req) with real NIXL
+agents (UCX over host DRAM, no GPU). Per READ: NIXL telemetry descCount, the
+time until it is DONE, and the list floor: the fewest descriptors the block
+lists allow on the layout (per span of adjacent pages, one per run of blocks
+consecutive on both sides if the span is dense, else one per block). The
+first (cold) READ is shown apart. The run fails unless every READ leaves the
+decoder's pages equal to the prefiller's and no other decoder byte changed.
+Block lists are SYNTHETIC: seeded, fragmented like a churned pool (runs in
+descending id order), drawn independently per side. To compare trees, run
+this file on each with VLLM_TARGET_DEVICE=cpu and PYTHONPATH=<tree>; the
+workers read only the config of --model (HF_HUB_OFFLINE=1 uses the cache).
 """
 
+import argparse
 import json
-import platform
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import version
-from typing import Any
+from types import SimpleNamespace
+from unittest.mock import patch
 
+import msgspec
 import numpy as np
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.host_staging import (
-    PageLayout,
-    block_runs,
-    plan_row_spans,
+import vllm
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    RemoteMeta,
+    ReqMeta,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.region_coalescing import (
-    DescIdMap,
-    RegionRead,
-    coalesce_rows,
-    plan_coalesced_reads,
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import sort_block_pairs
-from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.core.kv_cache_planning import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheLayout,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    get_kv_quant_mode,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
 
-# GLM-5.3 (fp8_ds_mla, 64-token blocks): bytes of a DSA indexer / MLA page.
-INDEXER_PAGE, MLA_PAGE = 8448, 41984
-SCENARIOS = ("row", "lbnhc", "hisparse", "staging")
-
-
-@dataclass(frozen=True)
-class Region:
-    """Pages of ``length`` bytes, ``stride`` apart, from ``offset`` of ``alloc``."""
-
-    alloc: int
-    offset: int
-    length: int
-    stride: int
-
-
-@dataclass
-class Side:
-    """One engine's allocations (slices of one buffer) and registered regions."""
-
-    tensors: list[torch.Tensor]
-    regions: list[Region]
-
-    def base(self, r: Region) -> int:
-        return self.tensors[r.alloc].data_ptr() + r.offset
-
-    def rows(self, n: int, dev: int) -> np.ndarray:
-        """The connector's strided descriptor rows, one per region."""
-        rows = [[self.base(r), r.length, dev, r.stride, n] for r in self.regions]
-        return np.array(rows, dtype=np.uint64)
-
-    def view(self, r: Region, num_blocks: int) -> torch.Tensor:
-        """A ``(num_blocks, length)`` byte view of the region's pages."""
-        t, shape = self.tensors[r.alloc], (num_blocks, r.length)
-        return t.as_strided(shape, (r.stride, 1), t.storage_offset() + r.offset)
+# GLM-5.3 bytes per token: MLA latent 576 (656 stored as fp8_ds_mla), indexer 132.
+MLA_HEAD, MLA_BYTES, INDEXER_BYTES = 576, 656, 132
+Span = tuple[int, int, int]  # (offset in the KV allocation, length, block stride)
 
 
-@dataclass
-class Variant:
-    """One way of moving a scenario's blocks, and what it measured."""
-
-    scenario: str
-    name: str
-    regions: int
-    # One READ (or copy) of (decoder ids, prefiller ids): descriptors posted.
-    op: Callable[[np.ndarray, np.ndarray], int]
-    # Clears the op's destination (after=False) or verifies it (after=True).
-    check: Callable[[np.ndarray, np.ndarray, bool], bool]
-    first_ms: float = 0.0
-    descs: list[int] = field(default_factory=list)
-    floor: list[int] = field(default_factory=list)
-    done_ms: list[float] = field(default_factory=list)
-    verified: int = 0
-    ok: bool = True
-
-
-def row_pages(args: Any) -> list[tuple[str, int, int]]:
-    """``(layer, offset in the row, bytes)`` in layer-name order (L0, I0, L1..).
-
-    A block row packs spec by spec: all indexer pages, then all MLA pages.
-    """
-    ip, mp, n_idx = args.indexer_page, args.mla_page, args.indexer_layers
-    mla = [(f"mla.{k}", n_idx * ip + k * mp, mp) for k in range(args.mla_layers)]
-    idx = [(f"indexer.{k}", k * ip, ip) for k in range(n_idx)]
-    return [page for k, m in enumerate(mla) for page in [m, *idx[k : k + 1]]]
+def glm_specs(args: argparse.Namespace) -> dict[str, KVCacheSpec]:
+    """Per-layer specs as GLM-5.3's layers report them (indexer first)."""
+    common = dict(block_size=args.block_size, num_kv_heads=1, dtype=torch.uint8)
+    indexer = MLAAttentionSpec(
+        **common,
+        head_size=INDEXER_BYTES // args.scale,
+        cache_role=SparseCacheRole.INDEXER,
+    )
+    mla = partial(
+        MLAAttentionSpec,
+        **common,
+        head_size=MLA_HEAD // args.scale,
+        cache_dtype_str="fp8_ds_mla",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+        state_content_bytes=MLA_BYTES // args.scale,
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(args.layers):
+        indexed = max(i - 4, 0) % 4 == 0  # index_topk_freq 4, skip offset 5
+        if indexed:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = indexer
+        specs[f"model.layers.{i}.self_attn.attn"] = mla(is_index_group_leader=indexed)
+    return specs
 
 
-def build_layout(kind: str, args: Any, p_buf: Any, d_buf: Any) -> tuple[Side, Side]:
-    """``(prefiller, decoder)``; region ``i`` holds the same layer on both."""
-    n, pages = args.num_blocks, row_pages(args)
-    row = sum(page for _, _, page in pages)
-    if kind == "row":
-        whole = [Region(0, 0, row, row)]
-        return Side([p_buf], whole), Side([d_buf], whole)
-    slabs = [Region(0, n * off, page, page) for _, off, page in pages]
-    if kind == "lbnhc":  # layer-outermost: a slab of N pages per layer
-        return Side([p_buf], slabs), Side([d_buf], slabs)
-    split = [Region(0, off, page, row) for _, off, page in pages]
-    if kind == "staging":  # device row -> per-layer host buffers (added later)
-        return Side([p_buf], split), Side([], slabs)
-    idx_row = args.indexer_layers * args.indexer_page
-    local = [  # a device row of indexer pages; an LBNHC host pool of MLA pages
-        Region(0, off, page, idx_row)
-        if name.startswith("indexer")
-        else Region(1, n * (off - idx_row), page, page)
-        for name, off, page in pages
-    ]
-    halves = [d_buf[: n * idx_row], d_buf[n * idx_row :]]
-    return Side([p_buf], split), Side(halves, local)
+def plan(args: argparse.Namespace, layout: str):
+    """A worker config, its planned KV cache config and two allocations of it."""
+    bs, num_blocks = args.block_size, args.num_blocks
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    config = VllmConfig(
+        model_config=ModelConfig(args.model, max_model_len=2 * bs),
+        cache_config=CacheConfig(block_size=bs, num_gpu_blocks_override=num_blocks),
+        kv_transfer_config=transfer,
+    )
+    config.cache_config.kv_cache_layout = layout
+    groups = get_kv_cache_groups(config, glm_specs(args))
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups, 1 << 40)
+    kv_cache_config.kv_cache_layout = layout
+    alloc = partial(allocate_kv_cache, kv_cache_config, torch.device("cpu"))
+    return config, kv_cache_config, [alloc(KVCacheLayout[layout], [bs]) for _ in "PD"]
 
 
-def churned_ids(rng: np.random.Generator, pool: int, n: int, mean: float) -> Any:
-    """``n`` distinct block ids as a churned pool hands them out (SYNTHETIC).
-
-    Geometric run lengths of the given mean at random places, at least one
-    foreign block between runs; each run in descending order, runs shuffled.
-    """
-    lengths = rng.geometric(1.0 / max(mean, 1.0), size=n)
-    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), n)) + 1]
-    lengths[-1] -= int(lengths.sum()) - n
-    k = len(lengths)
-    if pool < n + k:
-        raise ValueError("pool too small for the request's runs")
-    gaps = 1 + rng.multinomial(pool - n - k, np.full(k + 1, 1 / (k + 1)))[:k]
-    starts = np.cumsum(gaps) + np.cumsum(lengths) - lengths - 1
-    runs = [np.arange(s + m - 1, s - 1, -1) for s, m in zip(starts, lengths)]
-    return np.concatenate([runs[i] for i in rng.permutation(k)])
-
-
-def floor_descs(p: Side, d: Side, d_ids: np.ndarray, p_ids: np.ndarray) -> int:
-    """Fewest descriptors the pairs allow: the standard read's pieces, merged
-    where contiguous on both sides within one allocation per side."""
-    pieces = []
-    for rd, rp in zip(d.regions, p.regions):
-        a = d.base(rd) + d_ids.astype(np.int64) * rd.stride
-        b = p.base(rp) + p_ids.astype(np.int64) * rp.stride
-        tags = np.full((3, a.size), [[rd.length], [rd.alloc], [rp.alloc]])
-        pieces.append(np.vstack([a, b, tags]))
-    x = np.hstack(pieces)
-    a, b, n, la, ra = x[:, np.argsort(x[0], kind="stable")]
-    joins = (a[1:] == a[:-1] + n[:-1]) & (b[1:] == b[:-1] + n[:-1])
-    joins &= (la[1:] == la[:-1]) & (ra[1:] == ra[:-1])
-    return int(a.size - np.count_nonzero(joins))
-
-
-def checker(dst: Side, src: Side, n: int, same_ids: bool = False) -> Any:
-    """Clears the destination pages of a READ (after=False) or verifies them
-    against the source pages (after=True); ``same_ids``: a copy of P's ids."""
-    views = [(dst.view(a, n), src.view(b, n)) for a, b in zip(dst.regions, src.regions)]
-
-    def check(d_ids: Any, p_ids: Any, after: bool) -> bool:
-        for dv, pv in views:
-            local = torch.as_tensor(p_ids if same_ids else d_ids, device=dv.device)
-            remote = torch.as_tensor(p_ids, device=pv.device)
-            if not after:
-                dv.index_fill_(0, local, 0)
-            elif not dv[local].cpu().equal(pv[remote].cpu()):
-                return False
-        return True
-
-    return check
+def make_pair(config: VllmConfig, kv_cache_config: KVCacheConfig, caches: list):
+    """P and D pull workers with real NIXL agents, registered and handshaken."""
+    block_size = config.cache_config.block_size
+    backend = SimpleNamespace(  # the MLA attention backend a model runner reports
+        get_name=lambda: "FLASHMLA",
+        full_cls_name=lambda: "bench.FLASHMLA",
+        get_supported_kernel_block_sizes=lambda *_: [block_size],
+    )
+    workers = []
+    with (
+        patch.multiple(
+            base_worker,
+            get_tensor_model_parallel_rank=lambda: 0,
+            get_tensor_model_parallel_world_size=lambda: 1,
+            get_current_attn_backends=lambda *_: [backend],
+        ),
+        # The CPU platform would pin this process to one core per NUMA node.
+        patch.object(base_worker.current_platform, "discover_numa_topology", list),
+    ):
+        for side in caches:
+            worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
+            worker.use_mla = True  # the model config is a stand-in; caches are MLA
+            worker.register_kv_caches(side)
+            workers.append(worker)
+    prefill, decode = workers
+    # Hand P's advertised metadata to D, as the NIXL handshake does.
+    assert prefill.xfer_handshake_metadata is not None
+    meta = msgspec.msgpack.decode(
+        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
+    )
+    agent = decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    decode._remote_agents[prefill.engine_id][(0, 0)] = agent
+    return prefill, decode
 
 
-class Bench:
-    """Two NIXL agents and two KV buffers, prefiller and decoder, reused."""
-
-    def __init__(self, args: Any, row: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.args, self.device = args, torch.device(args.device)
-        self.mem = "DRAM" if self.device.type == "cpu" else "VRAM"
-        self.dev = self.device.index or 0
-        config, tag = nixl_agent_config(capture_telemetry=True), uuid.uuid4().hex[:8]
-        self.p = nixl_agent(f"bench-prefill-{tag}", config)
-        self.d = nixl_agent(f"bench-decode-{tag}", config)
-        # A distinct 4-byte word everywhere on P; D starts zeroed.
-        words = torch.arange(args.num_blocks * row // 4, dtype=torch.int32)
-        self.p_buf = (words + args.seed).to(self.device).view(torch.uint8)
-        self.d_buf = torch.zeros_like(self.p_buf)
-        self.notes: list[str] = []
-
-    def sync(self) -> None:
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
-
-    def run(self, scenario: str) -> list[Variant]:
-        """Prepare the scenario's variants, then move every list with each."""
-        a = self.args
-        p, d = build_layout(scenario, a, self.p_buf, self.d_buf)
-        nixl = scenario != "staging"
-        variants, cleanup = (self.nixl if nixl else self.staging)(scenario, p, d)
-        for i in range(a.reads + 1):
-            rng = np.random.default_rng([a.seed, i])
-            d_ids, p_ids = (
-                churned_ids(rng, a.num_blocks, a.read_blocks, a.mean_run) for _ in "dp"
-            )
-            floor = floor_descs(p, d, d_ids, p_ids) if nixl else -1
-            check = i % a.verify_every == 0
-            for v in variants[i % len(variants) :] + variants[: i % len(variants)]:
-                if check:  # clear the destination, so that missed bytes fail
-                    v.check(d_ids, p_ids, False)
-                self.sync()
-                t0 = time.perf_counter()
-                descs = v.op(d_ids, p_ids)
-                self.sync()
-                ms = (time.perf_counter() - t0) * 1e3
-                if check:
-                    v.verified += 1
-                    v.ok = v.check(d_ids, p_ids, True) and v.ok
-                if i == 0:
-                    v.first_ms = ms
-                else:
-                    v.done_ms.append(ms)
-                    v.descs.append(descs)
-                    v.floor.append(floor)
-        cleanup()
-        return variants
-
-    def nixl(self, scenario: str, p: Side, d: Side) -> tuple[list[Variant], Any]:
-        """Register both sides, hand P's metadata to D, prepare D's lists."""
-        n, dev, mem = self.args.num_blocks, self.dev, self.mem
-        regs = [
-            (agent, agent.register_memory([(t.data_ptr(), t.nbytes, dev, "")], mem))
-            for agent, side in ((self.p, p), (self.d, d))
-            for t in side.tensors
-        ]
-        peer = self.d.add_remote_agent(self.p.get_agent_metadata())
-        rows = [d.rows(n, dev), p.rows(n, dev)]
-        ends = ("", peer)  # local ("" is NIXL_INIT_AGENT), remote
-        handles = [self.d.prep_xfer_dlist(a, r, mem) for a, r in zip(ends, rows)]
-        reads = []
-        for i, (lr, rr, reg) in enumerate(zip(*rows, d.regions)):
-            geometry = (int(lr[0]), int(rr[0]), int(lr[1]), int(lr[3]), int(rr[3]))
-            memory = ((reg.alloc, mem, dev), (mem, dev))
-            reads.append(RegionRead(f"{scenario}.{i}", *geometry, n, n, *memory, 0, 0))
-        plan = plan_coalesced_reads(reads)
-        self.notes.append(f"{scenario}: {plan.summary()}")
-        k = len(reads)
-        specs: list[Any] = [("stock", False, None, k), ("ordered", True, None, k)]
-        if scenario == "hisparse":
-            runs = [np.asarray(coalesce_rows(r, plan.runs), np.uint64) for r in rows]
-            handles += [self.d.prep_xfer_dlist(a, r, mem) for a, r in zip(ends, runs)]
-            id_map = DescIdMap.build(plan.runs, [n] * k, [n] * k)
-            specs.append(("ordered+coalesced", True, id_map, len(plan.runs)))
-        starts = np.arange(len(reads), dtype=np.int64)[:, None] * n
-        check = checker(d, p, n)
-
-        def reader(order: bool, id_map: DescIdMap | None) -> Callable[..., int]:
-            local_h, remote_h = handles[2:] if id_map else handles[:2]
-
-            def read(d_ids: Any, p_ids: Any) -> int:
-                """The pull worker's READ: order, descriptor ids, post, poll."""
-                pairs: Any = ([d_ids.tolist()], [p_ids.tolist()])  # as BlockIds
-                if order:
-                    pairs = sort_block_pairs(*pairs)
-                ids = [(starts + np.asarray(x[0])).ravel() for x in pairs]
-                if id_map is not None:
-                    mapped = id_map(*ids)
-                    assert mapped is not None, "coalesced ids did not map"
-                    ids = list(mapped)
-                xfer = self.d.make_prepped_xfer(
-                    "READ", local_h, ids[0], remote_h, ids[1]
-                )
-                state = self.d.transfer(xfer)
-                while state == "PROC":
-                    state = self.d.check_xfer_state(xfer)
-                assert state == "DONE", state
-                descs = int(self.d.get_xfer_telemetry(xfer).descCount)
-                self.d.release_xfer_handle(xfer)
-                return descs
-
-            return read
-
-        variants = [
-            Variant(scenario, name, count, reader(order, id_map), check)
-            for name, order, id_map, count in specs
-        ]
-
-        def cleanup() -> None:
-            for handle in handles:
-                self.d.release_dlist_handle(handle)
-            self.d.remove_remote_agent(peer)
-            for agent, reg in regs:
-                agent.deregister_memory(reg)
-
-        return variants, cleanup
-
-    def staging(self, scenario: str, p: Side, d: Side) -> tuple[list[Variant], Any]:
-        """Stage the prefiller's device row to host: per layer vs row spans."""
-        n, row = self.args.num_blocks, p.regions[0].stride
-        host = torch.zeros(2 * n * row, dtype=torch.uint8)
-        d.tensors, mirror = [host[n * row :]], Side([host[: n * row]], p.regions)
-        layers = [(p.view(r, n), d.view(rd, n)) for r, rd in zip(p.regions, d.regions)]
-        pages = [PageLayout(0, r.offset, row, r.length, n) for r in p.regions]
-        planned = plan_row_spans({str(i): g for i, g in enumerate(pages)})[0]
-        spans = [Region(0, s.start, s.end - s.start, row) for s in planned]
-        span_views = [(p.view(r, n), mirror.view(r, n)) for r in spans]
-
-        def per_layer(d_ids: Any, p_ids: Any) -> int:
-            """copy_kv_blocks with the CUDA platform's swap_out_blocks_to_host."""
-            src_idx = torch.as_tensor(p_ids, device=self.device)
-            dst_idx = torch.as_tensor(p_ids)
-            for src, dst in layers:
-                dst[dst_idx] = src[src_idx].cpu()
-            return len(layers)
-
-        def row_spans(d_ids: Any, p_ids: Any) -> int:
-            """The mirrored staging copy: one row slice per span and run."""
-            runs = block_runs(p_ids.tolist())
-            for start, end in runs:
-                for src, dst in span_views:
-                    dst[start:end].copy_(src[start:end])
-            return len(runs) * len(span_views)
-
-        layered, mirrored = checker(d, p, n, True), checker(mirror, p, n, True)
-        return [
-            Variant(scenario, "per-layer", len(layers), per_layer, layered),
-            Variant(scenario, "row-spans", len(spans), row_spans, mirrored),
-        ], lambda: None
+def read(decode, prefill, local: list[int], remote: list[int]) -> tuple[int, float]:
+    """One request through D's read path: (descriptors posted, seconds to DONE)."""
+    req_id = f"bench-{uuid.uuid4()}"
+    tokens = len(remote) * decode.block_size
+    peer = RemoteMeta(
+        [remote], "localhost", 0, prefill.engine_id, req_id, num_tokens=tokens
+    )
+    meta = ReqMeta([local], [local], tp_size=1, remote=peer)
+    nixl = decode.nixl_wrapper
+    start = time.perf_counter()
+    decode._read_blocks_for_req(req_id, meta)
+    handles = decode._recving_transfers.pop(req_id, [])
+    if req_id in decode._recv_failures or not handles:
+        raise RuntimeError("the decoder did not post the READ")
+    for handle in handles:
+        while (state := nixl.check_xfer_state(handle)) == "PROC":
+            pass
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ ended in state {state!r}")
+    seconds = time.perf_counter() - start
+    descriptors = sum(int(nixl.get_xfer_telemetry(h).descCount) for h in handles)
+    for handle in handles:
+        nixl.release_xfer_handle(handle)
+    return descriptors, seconds
 
 
-def summarize(v: Variant, stock: Variant) -> dict[str, Any]:
-    """Percentiles of a variant and its p50 ratios to the scenario's stock."""
-    s: dict[str, Any] = dict(scenario=v.scenario, variant=v.name, regions=v.regions)
-    s["reads"], s["first_ms"] = len(v.descs), v.first_ms
-    for key, values in (("descs", v.descs), ("floor", v.floor), ("done_ms", v.done_ms)):
-        s[f"{key}_p50"], s[f"{key}_p95"] = np.percentile(values, [50, 95]).tolist()
-    s["x_floor"] = sum(v.descs) / sum(v.floor) if v.floor[0] > 0 else None
-    s["descs_vs_stock"] = s["descs_p50"] / np.percentile(stock.descs, 50)
-    s["done_vs_stock"] = s["done_ms_p50"] / np.percentile(stock.done_ms, 50)
-    s["verified_reads"], s["bytes_ok"] = v.verified, v.ok
-    s["bytes"] = f"{'ok' if v.ok else 'FAILED'} ({v.verified} READs)"
-    s["samples"] = {"descs": v.descs, "floor": v.floor, "done_ms": v.done_ms}
-    return s
+def page_spans(caches: dict[str, torch.Tensor]) -> list[Span]:
+    """Maximal spans of adjacent pages of the same block stride, by offset."""
+    pages: set[Span] = set()
+    for view in caches.values():
+        b, page, start = view.element_size(), view[0], int(view.storage_offset())
+        assert page.is_contiguous(), "a block's page must be contiguous"
+        pages.add((start * b, page.numel() * b, view.stride(0) * b))
+    spans: list[Span] = []
+    for offset, length, stride in sorted(pages):
+        if spans and spans[-1][2] == stride and sum(spans[-1][:2]) == offset:
+            spans[-1] = (spans[-1][0], spans[-1][1] + length, stride)
+        else:
+            spans.append((offset, length, stride))
+    return spans
 
 
-COLUMNS = (
-    ("scenario", "scenario", "{}"), ("variant", "variant", "{}"),
-    ("regions", "regions", "{:,}"), ("READs", "reads", "{}"),
-    ("descs p50", "descs_p50", "{:,.0f}"), ("descs p95", "descs_p95", "{:,.0f}"),
-    ("floor p50", "floor_p50", "{:,.0f}"), ("floor p95", "floor_p95", "{:,.0f}"),
-    ("x floor", "x_floor", "{:.2f}x"), ("done ms p50", "done_ms_p50", "{:,.2f}"),
-    ("done ms p95", "done_ms_p95", "{:,.2f}"), ("first ms", "first_ms", "{:,.2f}"),
-    ("descs/stock", "descs_vs_stock", "{:.3f}x"),
-    ("done/stock", "done_vs_stock", "{:.3f}x"),
-    ("bytes verified", "bytes", "{}"),
-)  # fmt: skip
+def list_floor(spans: list[Span], local: list[int], remote: list[int]) -> int:
+    """Fewest descriptors covering the pairs: runs per dense span, else blocks."""
+    order = np.argsort(local, kind="stable")
+    steps = np.diff(np.asarray(local)[order]), np.diff(np.asarray(remote)[order])
+    runs = 1 + int(np.count_nonzero((steps[0] != 1) | (steps[1] != 1)))
+    return sum(runs if length == stride else len(local) for _, length, stride in spans)
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of the summaries ('-': not applicable)."""
-    cells = [[h for h, _, _ in COLUMNS]] + [
-        ["-" if r[k] in (None, -1) else f.format(r[k]) for _, k, f in COLUMNS]
-        for r in rows
-    ]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    lines = ["| " + " | ".join(map(str.ljust, row, widths)) + " |" for row in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+def fragmented(rng: np.random.Generator, args: argparse.Namespace) -> list[int]:
+    """SYNTHETIC block ids of a churned pool: shuffled runs, each descending."""
+    cuts = np.cumsum(rng.geometric(1 / args.mean_run, size=args.num_blocks))
+    runs = np.split(np.arange(args.num_blocks), cuts[cuts < args.num_blocks])
+    ids = np.concatenate([runs[i][::-1] for i in rng.permutation(len(runs))])
+    return ids[: args.read_blocks].tolist()
 
 
-def main(args: Any) -> int:
-    if args.quick:
-        args.num_blocks, args.read_blocks, args.reads, args.verify_every = 512, 64, 2, 1
-    args.indexer_page = max(4, INDEXER_PAGE // args.scale // 4 * 4)
-    args.mla_page = max(4, MLA_PAGE // args.scale // 4 * 4)
-    # One intra-op thread: torch's OpenMP workers would compete with UCX's.
-    torch.set_num_threads(args.torch_threads)
-    started, row = time.perf_counter(), sum(g for _, _, g in row_pages(args))
-    bench, rows = Bench(args, row), []
-    for scenario in args.scenarios:
-        t0 = time.perf_counter()
-        variants = bench.run(scenario)
-        rows += [summarize(v, variants[0]) for v in variants]
-        bench.notes.append(f"{scenario}: {time.perf_counter() - t0:.1f} s")
-    lines = [
-        f"Real NIXL {version('nixl')} READs (UCX, {bench.mem}, two agents in one "
-        f"process), {args.mla_layers} MLA + {args.indexer_layers} indexer pages of "
-        f"{args.mla_page} / {args.indexer_page} B (GLM-5.3's / {args.scale}), "
-        f"{row:,} B rows, {args.num_blocks:,} blocks per side.",
-        f"SYNTHETIC block lists: {args.read_blocks:,} blocks per READ, descending "
-        f"runs of mean {args.mean_run:g}, P and D drawn independently (seed "
-        f"{args.seed}); {args.reads} READs per variant, interleaved, after a first "
-        f"READ (own column). Bytes verified on 1 READ in {args.verify_every}, the "
-        f"first included. staging: descs = d2h copy ops (torch, {bench.device}).",
-    ]
-    elapsed = f"(ran {time.perf_counter() - started:.1f} s)"
-    report = "\n".join([*lines, "", table(rows), "", *bench.notes, elapsed])
-    print(report)
-    if args.json:
-        env = dict(python=platform.python_version(), torch=torch.__version__)
-        env |= dict(nixl=version("nixl"), device=str(bench.device))
-        out = dict(lists="SYNTHETIC", config=vars(args), environment=env)
-        with open(args.json, "w") as f:
-            json.dump(out | dict(results=rows, report=report), f, indent=1)
-    return 0 if all(r["bytes_ok"] for r in rows) else 1
+def bench_layout(args: argparse.Namespace, layout: str) -> dict:
+    """Plan, allocate, register, handshake and READ on one layout."""
+    config, kv_cache_config, caches = plan(args, layout)
+    # The one allocation behind each side's caches, as bytes.
+    p, d = (
+        torch.empty(0, dtype=torch.int8).set_(next(iter(c.values())).untyped_storage())
+        for c in caches
+    )
+    # Distinct 4-byte words on P: no two pages look alike, a misplaced one shows.
+    words = p[: p.numel() // 4 * 4].view(torch.int32)
+    torch.arange(words.numel(), dtype=torch.int32, out=words)
+    prefill, decode = make_pair(config, kv_cache_config, caches)
+    spans = page_spans(caches[1])
+    assert spans == page_spans(caches[0]), "P and D pages differ"
+    rng, reads, ok = np.random.default_rng(args.seed), [], True
+    for i in range(1 + args.reads):
+        local, remote = fragmented(rng, args), fragmented(rng, args)
+        descs, seconds = read(decode, prefill, local, remote)
+        for offset, length, stride in spans:  # D's pages of the READ must be P's
+            shape = (kv_cache_config.num_blocks, length), (stride, 1), offset
+            d_rows, p_rows = d.as_strided(*shape), p.as_strided(*shape)
+            ok &= torch.equal(d_rows[local], p_rows[remote])
+            d_rows[local] = 0  # so that a scan of D finds only stray bytes
+        if i in (0, args.reads):  # after the cold READ and the last one
+            ok &= not torch.count_nonzero(d).item()
+        floor = list_floor(spans, local, remote)
+        reads.append({"descs": descs, "floor": floor, "done_ms": 1e3 * seconds})
+    regions = [prefill.num_regions, decode.num_regions]
+    for worker in (decode, prefill):
+        worker.shutdown()
+    return dict(layout=layout, regions=regions, cold=reads[0], reads=reads[1:], ok=ok)
 
 
-def parse_args() -> Any:
-    parser = FlexibleArgumentParser(description=__doc__.splitlines()[0])
-    add = parser.add_argument
-    add("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    add("--mla-layers", type=int, default=78)
-    add("--indexer-layers", type=int, default=23)
-    add("--scale", type=int, default=64, help="page bytes = GLM-5.3's / scale")
-    add("--num-blocks", type=int, default=32768, help="KV blocks per side")
-    add("--read-blocks", type=int, default=2000, help="blocks per READ")
-    add("--mean-run", type=float, default=4.0, help="mean run of the lists")
-    add("--reads", type=int, default=20, help="READs per variant (+1 first)")
-    add("--seed", type=int, default=0)
-    add("--verify-every", type=int, default=5, help="verify every k-th READ")
-    add("--device", default="cpu", help="cpu (host DRAM) or cuda[:N] (VRAM)")
-    add("--torch-threads", type=int, default=1)
-    add("--json", default=None, help="write the results as JSON to this path")
-    add("--quick", action="store_true", help="CI smoke test: small pools")
-    return parser.parse_args()
+def p50_p95(records: list[dict], key: str, fmt: str) -> str:
+    p50, p95 = np.percentile([r[key] for r in records], [50, 95])
+    return f"{p50:{fmt}} / {p95:{fmt}}"
+
+
+LAYOUTS = ["BLHNC", "LBNHC"]
+# --flag: (default, help); the type is the default's.
+OPTIONS = {
+    "--layers": (78, "MLA layers"),
+    "--scale": (4, "divide GLM-5.3's bytes per token by 1, 2 or 4"),
+    "--block-size": (4, "tokens per block"),
+    "--num-blocks": (16384, "KV cache blocks per side"),
+    "--read-blocks": (1000, "blocks per READ"),
+    "--mean-run": (4.0, "mean run of consecutive block ids in a side's list"),
+    "--reads": (20, "READs after the cold one"),
+    "--seed": (0, "seed of the block lists"),
+    "--model": ("facebook/opt-125m", "model whose config the workers get"),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=LAYOUTS)
+    for flag, (d, h) in OPTIONS.items():
+        parser.add_argument(flag, type=type(d), default=d, help=f"{h} (default: {d})")
+    parser.add_argument("--output-json", help="write the setup and every READ here")
+    args = parser.parse_args(argv)
+    if args.scale not in (1, 2, 4):
+        parser.error("--scale must be 1, 2 or 4")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = [bench_layout(args, layout) for layout in args.layouts]
+    setup = (
+        f"vLLM {vllm.__version__} ({vllm.__path__[0]}), NIXL {version('nixl')}, UCX "
+        f"on host DRAM. {args.layers} MLA layers + DSA indexers, bytes per token / "
+        f"{args.scale}, {args.block_size}-token blocks, {args.num_blocks:,} per side. "
+        f"SYNTHETIC block lists (seed {args.seed}, mean run {args.mean_run:g} per "
+        f"side): 1 cold + {args.reads} READs of {args.read_blocks:,} blocks."
+    )
+    print(setup + "\n")
+    print(
+        "| layout | regions P / D | descs/READ p50 / p95 | list floor p50 / p95 "
+        "| done ms p50 / p95 | cold READ: descs, ms | bytes |\n" + "| --- " * 7 + "|"
+    )
+    for r in results:
+        reads, cold = r["reads"], r["cold"]
+        print(
+            f"| {r['layout']} | {r['regions'][0]} / {r['regions'][1]} "
+            f"| {p50_p95(reads, 'descs', ',.0f')} | {p50_p95(reads, 'floor', ',.0f')} "
+            f"| {p50_p95(reads, 'done_ms', ',.2f')} | {cold['descs']:,}, "
+            f"{cold['done_ms']:,.2f} | {'match' if r['ok'] else 'MISMATCH'} |"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"setup": setup, "args": vars(args), "results": results}, f)
+    if not all(r["ok"] for r in results):
+        print("FAILED: a READ did not move exactly the prefiller's pages")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(parse_args()))
+    raise SystemExit(main())
