@@ -151,23 +151,37 @@ def render_allocator(rows: list[dict[str, Any]], _: str | None) -> list[str]:
 
 
 def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
-    """benchmarks/kv_transfer/bench_nixl_descriptors.py --json PATH."""
-    return [data["report"].split("\n\n")[0], "", *_exported_table(data["results"])]
+    """tools/bench_series.sh: the exported benchmark on stock 0.33.0 and the fork."""
+    if data.get("schema") != "bench-series/1":
+        raise ValueError(f"schema {data.get('schema')!r}, want 'bench-series/1'")
 
+    def pair(values: list[float], fmt: str) -> str:
+        return f"{values[0]:{fmt}} / {values[1]:{fmt}}"
 
-def _exported_table(rows: list[dict[str, Any]]) -> list[str]:
     body = [
-        (r["scenario"], r["variant"], r["regions"], r["reads"],
-         f"{r['descs_p50']:,.0f}", f"{r['descs_p95']:,.0f}",
-         "-" if r["floor_p50"] < 0 else f"{r['floor_p50']:,.0f}",
-         f"{r['done_ms_p50']:,.2f}", f"{r['done_ms_p95']:,.2f}",
-         f"{r['descs_vs_stock']:.3f}x", f"{r['done_vs_stock']:.3f}x", r["bytes"])
-        for r in rows
+        (r["layout"], "stock 0.33.0" if r["tree"] == "stock" else "series",
+         "{} / {}".format(*r["regions"]), r["reads"], pair(r["descs"], ",.0f"),
+         pair(r["floor"], ",.0f"), pair(r["done_ms"], ",.2f"),
+         f"{r['cold_ms']:,.2f}", "match" if r["ok"] else "MISMATCH")
+        for r in data["rows"]
     ]  # fmt: skip
-    header = ("scenario", "variant", "regions", "READs", "descs p50", "descs p95",
-              "floor p50", "done ms p50", "done ms p95", "descs / stock",
-              "done / stock", "bytes")  # fmt: skip
-    return _table(header, body)
+    header = ("layout", "tree", "regions P / D", "READs", "descs/READ p50 / p95",
+              "list floor p50 / p95", "done ms p50 / p95",
+              "cold READ ms (median of rounds)", "bytes")  # fmt: skip
+    return [
+        data["setup"],
+        "",
+        *_table(header, body),
+        "",
+        "descs/READ: NIXL telemetry descCount. List floor: the fewest descriptors "
+        "the READ's block lists allow on the layout (per span of adjacent pages: "
+        "one per run of blocks consecutive on both sides if the span is dense, else "
+        "one per block). Done: from the call into `_read_blocks_for_req` until NIXL "
+        "reports the READ DONE; timings on a shared 2-core machine are noisy. Cold "
+        "READ: each run's first READ, kept out of the distributions. Bytes: every "
+        "READ's decoder pages compared with the prefiller's, the decoder scanned "
+        "for stray bytes after the cold and the last READ of each run.",
+    ]
 
 
 SOURCES: dict[str, Source] = {
