@@ -202,6 +202,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 
 # One byte pattern and handshake for every layout kind.
+from checks import zoo_models
 from checks.real_nixl import connect, fill_pattern, zero
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
@@ -322,10 +323,32 @@ _RECIPES: dict[str, _Recipe] = {
     "synthetic/glm-draft-storage": _Recipe(
         "glm53", KVCacheLayout.BLHNC, synthetic=True
     ),
+    # 2026 families (checks/zoo_models.py): mixed page sizes, BLHNC only.
+    "dsv4/BLHNC": _Recipe("dsv4", KVCacheLayout.BLHNC),
+    "dsv4-mtp/BLHNC": _Recipe("dsv4", KVCacheLayout.BLHNC, mtp=True),
+    "dsv4-mtp+host-staging/BLHNC": _Recipe(
+        "dsv4", KVCacheLayout.BLHNC, mtp=True, host_staging=True
+    ),
+    "dsv4-mtp+mirrored-staging/BLHNC": _Recipe(
+        "dsv4", KVCacheLayout.BLHNC, mtp=True, host_staging=True, mirror=True
+    ),
+    "dsv41/BLHNC": _Recipe("dsv41", KVCacheLayout.BLHNC),
+    "dsv41+host-staging/BLHNC": _Recipe(
+        "dsv41", KVCacheLayout.BLHNC, host_staging=True
+    ),
+    "dsv41+mirrored-staging/BLHNC": _Recipe(
+        "dsv41", KVCacheLayout.BLHNC, host_staging=True, mirror=True
+    ),
 }
 
 ZOO: tuple[str, ...] = tuple(_RECIPES)
 """Names of all layouts ``build_zoo_layout`` builds."""
+
+
+def model_family(name: str) -> str | None:
+    """The ``zoo_models`` family a layout belongs to, or None."""
+    family = _RECIPES[name].family
+    return family if family in _MODEL_FAMILIES else None
 
 
 # ---------------------------------------------------------------- fake backend
@@ -593,6 +616,20 @@ _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
     "mla-swa": (_mla_swa_specs, "FLASHMLA", True),
     "gpt-oss": (_gpt_oss_specs, "FLASH_ATTN", False),
     "nemotron-h": (_nemotron_h_specs, "FLASH_ATTN", False),
+    "dsv4": (zoo_models.dsv4_specs, "FLASHMLA_SPARSE_DSV4", True),
+    "dsv41": (zoo_models.dsv41_specs, "FLASHMLA_SPARSE_DSV41", True),
+}
+
+# Families built from the models' own cache classes (``zoo_models``): real page
+# sizes, specs already customized with each layer's own backend, and the
+# model's own block size and layer count by default.
+_MODEL_FAMILIES: dict[str, tuple[int, int, str]] = {
+    # family: (manager block size, default decoder layers, cache dtype)
+    # DeepSeek-V4: the sparse MLA and indexer backends take 256-token blocks
+    # only; 8 layers of V4-Flash (2 SWA, 3 x C4A + C128A) plan 6 groups.
+    "dsv4": (256, 8, "fp8_ds_mla"),
+    # DeepSeek-V4.1 on SM100: FlashMLA and its indexer take 128-token blocks.
+    "dsv41": (128, zoo_models.DSV41_LAYERS, "fp8_ds_mla"),
 }
 
 
@@ -622,14 +659,15 @@ def _worker_specs(
             specs |= {
                 name: replace(spec, is_draft=True) for name, spec in draft.items()
             }
-        specs = {
-            name: (
-                customize_attention_spec(backend, spec)
-                if isinstance(spec, AttentionSpec)
-                else spec
-            )
-            for name, spec in specs.items()
-        }
+        if recipe.family not in _MODEL_FAMILIES:
+            specs = {
+                name: (
+                    customize_attention_spec(backend, spec)
+                    if isinstance(spec, AttentionSpec)
+                    else spec
+                )
+                for name, spec in specs.items()
+            }
         if permute_seed is not None:
             names = list(specs)
             random.Random(permute_seed).shuffle(names)
@@ -650,6 +688,10 @@ def _configure(recipe: _Recipe, num_layers: int) -> Callable[[VllmConfig], None]
         model_config = config.model_config
         model_config.hf_text_config.num_hidden_layers = num_layers
         model_config.model_arch_config.total_num_hidden_layers = num_layers
+        if recipe.family in _MODEL_FAMILIES:
+            # What the model's attention layers write back onto cache_config.
+            _, _, cache_dtype = _MODEL_FAMILIES[recipe.family]
+            config.cache_config.cache_dtype = cache_dtype  # type: ignore[assignment]
         kv_heads = _KV_HEADS.get(recipe.family)
         if kv_heads is not None:
             model_config.hf_text_config.num_key_value_heads = kv_heads
@@ -673,13 +715,16 @@ def _configure(recipe: _Recipe, num_layers: int) -> Callable[[VllmConfig], None]
 
 
 def _planning_config(
-    configure: Callable[[VllmConfig], None], block_size: int, num_blocks: int
+    configure: Callable[[VllmConfig], None],
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int | None = None,
 ) -> VllmConfig:
     """The engine core's view: the layout's config and a pinned block count."""
     config = create_vllm_config(block_size=block_size)
     configure(config)
     # Small pools must still admit one max_model_len request.
-    config.model_config.max_model_len = 2 * block_size
+    config.model_config.max_model_len = max_model_len or 2 * block_size
     config.cache_config.num_gpu_blocks_override = num_blocks
     return config
 
@@ -788,8 +833,8 @@ def build_zoo_layout(
     name: str,
     *,
     num_blocks: int = 32,
-    num_layers: int = 4,
-    block_size: int = 64,
+    num_layers: int | None = None,
+    block_size: int | None = None,
     permute_seed: int | None = None,
     scale: int = 4,
 ) -> ZooLayout:
@@ -798,12 +843,14 @@ def build_zoo_layout(
     Args:
         name: One of ``ZOO``.
         num_blocks: Device (and HiSparse host) blocks.
-        num_layers: Decoder layers of the model (an MTP layer comes on top).
-        block_size: Tokens per block.
+        num_layers: Decoder layers of the model (an MTP layer comes on top);
+            default 4, or the family's (``_MODEL_FAMILIES``).
+        block_size: Tokens per block; default 64, or the model's.
         permute_seed: Shuffle each worker's spec dict with this seed before
             planning, so the physical page order is not the layer-name order
             (see the module docstring).
-        scale: Divide the real per-token bytes by this (1, 2 or 4).
+        scale: Divide the real per-token bytes by this (1, 2 or 4); the
+            families of ``zoo_models`` always have their real page sizes.
 
     Returns:
         The layout: the runner's ``kv_caches`` dict, its config and raws.
@@ -817,13 +864,24 @@ def build_zoo_layout(
     recipe = _RECIPES[name]
     if scale not in _ALLOWED_SCALES:
         raise ValueError(f"scale must be one of {_ALLOWED_SCALES}, got {scale}")
+    _, backend_name, use_mla = _FAMILIES[recipe.family]
+    model_family = _MODEL_FAMILIES.get(recipe.family)
+    max_model_len = None
+    if model_family is not None:
+        model_block_size, model_layers, _ = model_family
+        block_size = block_size or model_block_size
+        num_layers = num_layers or model_layers
+        # One short request: their sliding-window and state groups take
+        # many blocks of small pools per request.
+        max_model_len = block_size // 8
+    block_size = block_size or 64
+    num_layers = num_layers or 4
     if recipe.pp_stage is not None and num_layers < 2:
         raise ValueError("PP=2 layouts need at least two layers")
-    _, backend_name, use_mla = _FAMILIES[recipe.family]
     conv_layout = "DS" if recipe.family == "nemotron-h" else None
     backend = _fake_backend(backend_name, block_size)
     configure = _configure(recipe, num_layers)
-    config = _planning_config(configure, block_size, num_blocks)
+    config = _planning_config(configure, block_size, num_blocks, max_model_len)
     with _conv_state_layout(conv_layout):
         worker_specs = _worker_specs(
             recipe,
@@ -1092,6 +1150,7 @@ def describe(layout: ZooLayout) -> str:
 
 __all__ = [
     "ZOO",
+    "model_family",
     "RecordingNixl",
     "ZooLayout",
     "build_zoo_layout",

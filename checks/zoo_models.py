@@ -1,0 +1,315 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-layer KV cache specs of the 2026 P/D model families, from their own code.
+
+``layout_zoo`` plans and allocates these specs like the others; this module
+only builds them, the way the model runner reports them
+(``GPUModelRunner.get_kv_cache_spec``): every cache layer the model
+constructs is one of the model's OWN cache classes (or, for the attention
+layer's compressed cache, the attention class's own ``get_kv_cache_spec``),
+created under a ``VllmConfig`` like the model's, and its spec goes through
+``customize_attention_spec`` with the layer's own ``get_attn_backend()``.
+Layer names and construction order follow the models' modules. Only the
+layer counts are cut down; page bytes are the real ones (``scale`` does not
+apply: the cache classes fix them).
+
+Families:
+
+* ``dsv4``: DeepSeek-V4-Flash (``vllm/models/deepseek_v4``), its HF config
+  (``transformers.DeepseekV4Config``) with the checkpoint's per-layer
+  ``compress_ratios`` cut to the first ``num_layers``
+  (``[0, 0] + [4, 128] * 20 + [4]``: two sliding-window layers, then C4A and
+  C128A alternating). Per layer, in construction order: for C4A layers the
+  indexer's ``DeepseekV4IndexerCache`` and its compressor's
+  ``CompressorStateCache``; the ``DeepseekV4SWACache``; the attention layer's
+  compressed cache (``DeepseekV4FlashMLAAttention.get_kv_cache_spec``, None
+  for SWA layers) and its compressor's ``CompressorStateCache``. The MTP
+  layer (``model.layers.{num_layers}``, compress ratio 1) has only its SWA
+  cache. FlashMLA on a non-SM100 CUDA GPU: ``fp8_ds_mla`` pages.
+* ``dsv41``: DeepSeek-V4.1-Flash (``vllm/models/deepseek_v41``) with the
+  five-layer topology of upstream's ``tests/models/test_dsv41_mono_layers.py``
+  (``compress_ratios`` 0, 2, 2, 1, 1; kv sources 1 and 3; index sources 1, 3
+  and 4): per layer, the ``DeepseekV4IndexerCache`` of kv-and-index sources,
+  the ``DeepseekV4SWACache`` (32-token blocks), the kv sources' compressed
+  cache (the attention class's ``get_kv_cache_spec``) and, for ratio 2, the
+  compressor's ring (``CompressorStateCache``: a ``CircularBufferSpec``).
+* ``glm53-flash``: GLM-5.3-Flash (``vllm/models/glm5next``), see
+  ``glm53_flash_specs``.
+
+``vllm.models.glm5next``'s package ``__init__`` imports the multimodal model
+and with it torchvision (absent here); ``_glm5next`` registers an empty
+package module for ``vllm.models.glm5next`` (its ``__path__`` only) when the
+package is not imported yet, so ``vllm.models.glm5next.common.attention`` and
+``...common.kda`` import without running that ``__init__``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from tests.v1.kv_connector.unit.utils import create_vllm_config
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
+from vllm.v1.worker.utils import customize_attention_spec
+
+# DeepSeek-V4-Flash: the checkpoint's compress_ratios (0 = sliding window),
+# as upstream's tests/transformers_utils/test_deepseek_v4_utils.py quotes
+# them, without the MTP layers.
+DSV4_FLASH_COMPRESS_RATIOS = (0, 0, *(4, 128) * 20, 4)
+# DeepSeek-V4.1-Flash cut to five layers (tests/models/test_dsv41_mono_layers.py).
+DSV41_TOPOLOGY: dict[str, Any] = {
+    "compress_ratios": [0, 2, 2, 1, 1],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3, 4],
+}
+DSV41_LAYERS = len(DSV41_TOPOLOGY["compress_ratios"])
+
+
+def _model_config(block_size: int, cache_dtype: str) -> VllmConfig:
+    """A fresh config to construct cache layers under (own forward context)."""
+    config = create_vllm_config(block_size=block_size)
+    config.cache_config.cache_dtype = cache_dtype  # type: ignore[assignment]
+    return config
+
+
+class _Specs:
+    """Collects specs in construction order, as the model runner reports them."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.specs: dict[str, KVCacheSpec] = {}
+
+    def add(self, name: str, layer: Any, spec: KVCacheSpec | None) -> None:
+        if spec is None:
+            return
+        if isinstance(spec, AttentionSpec):
+            spec = customize_attention_spec(layer.get_attn_backend(), spec)
+        self.specs[name] = spec
+
+    def cache(self, layer: Any) -> None:
+        self.add(layer.prefix, layer, layer.get_kv_cache_spec(self.config))
+
+
+# ---------------------------------------------------------------- DeepSeek-V4
+
+
+def _dsv4_hf_config(num_layers: int) -> Any:
+    from transformers import DeepseekV4Config
+
+    ratios = list(DSV4_FLASH_COMPRESS_RATIOS[:num_layers])
+    if len(ratios) < num_layers:
+        raise ValueError(f"DeepSeek-V4-Flash has {len(DSV4_FLASH_COMPRESS_RATIOS)}")
+    return DeepseekV4Config(
+        num_hidden_layers=num_layers,
+        num_nextn_predict_layers=1,
+        compress_ratios=ratios,
+    )
+
+
+def dsv4_specs(
+    layers: range, block_size: int, scale: int, num_layers: int, mtp: bool
+) -> dict[str, KVCacheSpec]:
+    """DeepSeek-V4-Flash cache layers (the MTP layer alone with ``mtp``)."""
+    from vllm.models.deepseek_v4.attention import (
+        DeepseekV4IndexerCache,
+        _resolve_dsv4_kv_cache_dtype,
+    )
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.models.deepseek_v4.nvidia.flashmla import (
+        DeepseekV4FlashMLAAttention as Attention,
+    )
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    hf = _dsv4_hf_config(num_layers)
+    config = _model_config(block_size, "auto")
+    cache_config = config.cache_config
+    out = _Specs(config)
+    indices = [num_layers] if mtp else list(layers)
+    with set_current_vllm_config(config):
+        for layer_id in indices:
+            prefix = f"model.layers.{layer_id}.attn"
+            # DeepseekV4Attention.__init__: the ratio of the layer's type; MTP
+            # layers are not in the list (ratio 1).
+            if layer_id < hf.num_hidden_layers:
+                layer_type = hf.layer_types[layer_id]
+                ratio = max(1, hf.compress_rates.get(layer_type, 0))
+            else:
+                ratio = 1
+            kv_dtype, torch_dtype = _resolve_dsv4_kv_cache_dtype(
+                Attention.use_fp8_ds_mla_layout, cache_config.cache_dtype, cache_config
+            )
+            if ratio == 4:
+                # DeepseekV4Indexer: FP8 K cache (128 fp8 + one fp32 scale per
+                # 128) or MXFP4, then its compressor's state cache.
+                head = hf.index_head_dim
+                if dsa_indexer_uses_fp4(config):
+                    raise NotImplementedError("MXFP4 indexer cache")
+                out.cache(
+                    DeepseekV4IndexerCache(
+                        head_dim=head + head // 128 * 4,
+                        dtype=torch.uint8,
+                        prefix=f"{prefix}.indexer.k_cache",
+                        cache_config=cache_config,
+                        compress_ratio=ratio,
+                    )
+                )
+                out.cache(
+                    CompressorStateCache(
+                        state_dim=2 * 2 * head,
+                        dtype=torch.float32,
+                        compress_ratio=ratio,
+                        prefix=f"{prefix}.indexer.compressor.state_cache",
+                    )
+                )
+            out.cache(
+                DeepseekV4SWACache(
+                    head_dim=hf.head_dim,
+                    window_size=hf.sliding_window,
+                    dtype=torch_dtype,
+                    prefix=f"{prefix}.swa_cache",
+                    cache_config=cache_config,
+                    backend_cls=Attention.swa_backend_cls,
+                )
+            )
+            # The attention layer's own spec (its compressed cache), from the
+            # attributes DeepseekV4Attention.__init__ sets for it.
+            attention = SimpleNamespace(
+                compress_ratio=ratio,
+                head_dim=hf.head_dim,
+                kv_cache_dtype=kv_dtype,
+                kv_cache_torch_dtype=torch_dtype,
+                get_attn_backend=lambda: Attention.backend_cls,
+            )
+            out.add(prefix, attention, Attention.get_kv_cache_spec(attention, config))
+            if ratio > 1:
+                coff = 1 + (ratio == 4)
+                out.cache(
+                    CompressorStateCache(
+                        state_dim=2 * coff * hf.head_dim,
+                        dtype=torch.float32,
+                        compress_ratio=ratio,
+                        prefix=f"{prefix}.compressor.state_cache",
+                    )
+                )
+    return out.specs
+
+
+# -------------------------------------------------------------- DeepSeek-V4.1
+
+
+def _sm100() -> Any:
+    """Answer the platform's capability checks as an SM100 (B200/GB200) GPU.
+
+    DeepSeek-V4.1's records and block sizes depend on the GPU: on SM100 the
+    sliding-window and compressed records are the 528 B MXFP8 ones, and the
+    FlashMLA and indexer backends take 128-token blocks.
+    """
+    from unittest.mock import patch
+
+    from vllm.platforms import current_platform
+
+    return patch.object(
+        type(current_platform),
+        "is_device_capability_family",
+        classmethod(lambda cls, family, device_id=0: family == 100),
+    )
+
+
+def dsv41_specs(
+    layers: range, block_size: int, scale: int, num_layers: int, mtp: bool
+) -> dict[str, KVCacheSpec]:
+    """DeepSeek-V4.1-Flash cache layers (``DSV41_TOPOLOGY``; no MTP here)."""
+    import math
+
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache
+    from vllm.models.deepseek_v41.nvidia.flashmla import (
+        DeepseekV4FlashMLAAttention as Attention,
+    )
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    if mtp:
+        raise ValueError("the dsv41 family has no MTP layer")
+    if num_layers != DSV41_LAYERS:
+        raise ValueError(f"dsv41 has the {DSV41_LAYERS} layers of DSV41_TOPOLOGY")
+    ratios = DSV41_TOPOLOGY["compress_ratios"]
+    kv_sources = DSV41_TOPOLOGY["kv_source_layer_ids"]
+    index_sources = DSV41_TOPOLOGY["index_source_layer_ids"]
+    head_dim, window, index_head_dim = 512, 128, 128
+    config = _model_config(block_size, "auto")
+    cache_config = config.cache_config
+    out = _Specs(config)
+    with _sm100(), set_current_vllm_config(config):
+        # DeepseekV4Attention.__init__ (V4.1), platform-wide settings.
+        kv_dtype, torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
+            Attention.use_fp8_ds_mla_layout,
+            cache_config.cache_dtype,
+            cache_config,
+            "fp8_ds_mla",  # DeepseekV4FlashMLAAttention.packed_kv_cache_dtype
+        )
+        kv_mxfp8 = v41._use_v41_mxfp8_kv_record()
+        swa_bytes = 528 if kv_mxfp8 else 584
+        compressed_bytes = 288 if kv_dtype == "nvfp4_ds_mla" else swa_bytes
+        alignment = 512 if kv_mxfp8 else 576
+        bounded_replay = cache_config.swa_bounded_replay and config.use_v2_model_runner
+        for layer_id in layers:
+            prefix = f"model.layers.{layer_id}.attn"
+            ratio = int(ratios[layer_id])
+            is_kv_source = layer_id in kv_sources
+            is_index_source = layer_id in index_sources
+            # The attention layer registers first; only kv sources own a
+            # compressed cache.
+            attention = SimpleNamespace(
+                is_kv_source=is_kv_source,
+                kv_cache_dtype=kv_dtype,
+                kv_cache_torch_dtype=torch_dtype,
+                head_dim=head_dim,
+                compress_ratio=ratio,
+                kv_page_alignment=alignment,
+                compressed_bytes_per_token=compressed_bytes,
+                get_attn_backend=lambda: Attention.backend_cls,
+            )
+            out.add(prefix, attention, Attention.get_kv_cache_spec(attention, config))
+            if is_index_source and is_kv_source:
+                out.cache(
+                    v41.DeepseekV4IndexerCache(
+                        head_dim=v41._indexer_k_cache_head_dim(
+                            index_head_dim, dsa_indexer_uses_fp4(config)
+                        ),
+                        dtype=torch.uint8,
+                        prefix=f"{prefix}.indexer.k_cache",
+                        cache_config=cache_config,
+                        compress_ratio=ratio,
+                    )
+                )
+            out.cache(
+                DeepseekV4SWACache(
+                    head_dim=head_dim,
+                    window_size=window,
+                    dtype=torch_dtype,
+                    prefix=f"{prefix}.swa_cache",
+                    cache_config=cache_config,
+                    backend_cls=Attention.swa_backend_cls,
+                    block_size=32,
+                    packed_bytes_per_token=swa_bytes,
+                    packed_page_alignment=alignment,
+                    packed_block_stride_alignment=(
+                        math.lcm(swa_bytes, compressed_bytes) if kv_mxfp8 else None
+                    ),
+                    bounded_replay=bounded_replay,
+                )
+            )
+            if is_kv_source and ratio > 1:
+                # DeepseekCompressor (V4.1): the ring of the open group's rows.
+                out.cache(
+                    CompressorStateCache(
+                        state_dim=2 * head_dim,
+                        dtype=torch.float32,
+                        prefix=f"{prefix}.compressor.state_cache",
+                    )
+                )
+    return out.specs
