@@ -11,11 +11,15 @@ copies as a deployment does: P copies the request's blocks to its host
 buffers before the READ (``save_kv_to_host``), D copies what it read to its
 device caches after it (``sync_recved_kv_to_device``).
 
-The outcome of a case is what a user could observe: whether the handshake and
-the READ were accepted (and the error type otherwise), the bytes and
-descriptors NIXL reported, and a digest of every byte of D's device
-allocations afterwards. The same code runs against stock 0.33.0 and against
-the fork, so stock is the oracle::
+The outcome of a case is what a user could observe: whether the workers
+registered, the handshake and the READ were accepted (and the error type and
+message otherwise), the bytes and descriptors NIXL reported, and a digest of
+every byte of D's device allocations afterwards. Each accepted case also
+records the truth, independent of any oracle: how many of the request's layer
+pages D holds and how many of them differ from P's (``pages``,
+``wrong_pages``), and whether every byte of D's device allocations outside
+those pages is still zero (``outside_clean``). The same code runs against
+stock 0.33.0 and against the fork, so stock is the oracle where it is right::
 
     PYTHONPATH=build/stock python -m checks.pairing_matrix --json stock.json
 
@@ -34,13 +38,37 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from checks.layout_zoo import ZOO, ZooLayout, build_zoo_layout, make_zoo_worker
+from checks.layout_zoo import (
+    ZOO,
+    ZooLayout,
+    build_zoo_layout,
+    make_zoo_worker,
+    model_family,
+)
 from checks.real_nixl import connect, probe_real_nixl, pull_request
 
 NUM_BLOCKS = 32
 _NON_MLA = {"gpt-oss/LBNHC", "gpt-oss/BLHNC", "nemotron-h/LBNHC"}
 _STAGING = "glm53-mtp+host-staging/BLHNC"
 _MIRRORED = "glm53-mtp+mirrored-staging/BLHNC"
+
+# Stock cases (``oracle_case`` names) where stock 0.33.0 itself moves wrong
+# bytes: D's pages differ from P's, or bytes outside the READ's pages change.
+# Stock is no oracle there; the fork must be exact or refuse the pair with an
+# error that names ``mirror_host_buffers``. A stock case that is wrong and is
+# not listed here fails the check until someone names it (and a listed case
+# that stock gets right fails too, so the list stays true).
+STOCK_CORRUPTS: dict[str, str] = {
+    # Per-layer host staging on both sides of a DeepSeek-V4 row, whose
+    # transfer groups alias one block row from byte 0:
+    # sync_recved_kv_to_device flattens every group's block ids and copies
+    # every layer's host buffer for all of them, so layers of other groups
+    # write their never-filled host pages over the pages just read.
+    "dsv4-mtp+host-staging/BLHNC->dsv4-mtp+host-staging/BLHNC:same": (
+        "per-layer h2d staging copies every layer for every group's blocks "
+        "over aliased rows"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -49,7 +77,7 @@ class Side:
 
     layout: str
     num_blocks: int = NUM_BLOCKS
-    block_size: int = 64
+    block_size: int | None = None  # the layout's default (64, or the model's)
     permute_seed: int | None = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -87,11 +115,48 @@ def _variants(p: str, d: str) -> list[tuple[str, Side, Side]]:
     return cases
 
 
+def _model_variants(p: str, d: str) -> list[tuple[str, Side, Side]]:
+    """Variants of a 2026 family with itself (its own block size only)."""
+    return [
+        ("same", Side(p), Side(d)),
+        ("num-blocks", Side(p), Side(d, num_blocks=NUM_BLOCKS + 16)),
+        ("d-tp2", Side(p), Side(d, tp_size=2, tp_rank=1)),
+        ("permuted", Side(p, permute_seed=1), Side(d, permute_seed=2)),
+    ]
+
+
+def _staging_pairs(device: str) -> list[tuple[str, str]]:
+    """Per-layer and mirrored host staging on either side and on both."""
+    base, layout = device.split("/")
+    staging = f"{base}+host-staging/{layout}"
+    mirrored = f"{base}+mirrored-staging/{layout}"
+    return [
+        (staging, device),
+        (device, staging),
+        (staging, staging),
+        (mirrored, device),
+        (device, mirrored),
+        (mirrored, mirrored),
+    ]
+
+
+# The 2026 families' device layouts (``zoo_models``); each with itself in
+# every ``_model_variants`` variant, and in its staging pairs (``same``).
+MODEL_LAYOUTS = [name for name in ZOO if model_family(name) and "staging" not in name]
+MODEL_PAIRS = [
+    pair
+    for name in MODEL_LAYOUTS
+    for pair in _staging_pairs(name)
+    if all(side in ZOO for side in pair)
+]
+
 # (prefill, decode): every zoo layout with itself, plus the cross pairs a
 # deployment meets (HiSparse decoder, host staging on either side, mirrored
 # or not, the default layout against BLHNC, a PP=2 prefiller).
 PAIRS = [
-    (name, name) for name in ZOO if "hisparse" not in name and "pp2" not in name
+    (name, name)
+    for name in ZOO
+    if "hisparse" not in name and "pp2" not in name and not model_family(name)
 ] + [
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
     (_STAGING, "glm53-mtp/BLHNC"),
@@ -110,11 +175,19 @@ PAIRS = [
     ("dsv32/LBNHC", "dsv32/BLHNC"),
     ("dsv32-pp2-stage0/BLHNC", "dsv32/BLHNC"),
 ]
-CASES = [
-    Case(f"{p}->{d}:{variant}", p_side, d_side)
-    for p, d in PAIRS
-    for variant, p_side, d_side in _variants(p, d)
-]
+CASES = (
+    [
+        Case(f"{p}->{d}:{variant}", p_side, d_side)
+        for p, d in PAIRS
+        for variant, p_side, d_side in _variants(p, d)
+    ]
+    + [
+        Case(f"{p}->{p}:{variant}", p_side, d_side)
+        for p in MODEL_LAYOUTS
+        for variant, p_side, d_side in _model_variants(p, p)
+    ]
+    + [Case(f"{p}->{d}:same", Side(p), Side(d)) for p, d in MODEL_PAIRS]
+)
 
 
 def _with_layouts(case: Case, p_layout: str, d_layout: str) -> Case:
@@ -156,8 +229,27 @@ def oracle_case(case: Case) -> Case:
     )
 
 
+def staging_case(case: Case) -> Case:
+    """The case with every mirrored staging side on per-layer staging."""
+    return _with_layouts(
+        case,
+        case.prefill.layout.replace("+mirrored-staging", "+host-staging"),
+        case.decode.layout.replace("+mirrored-staging", "+host-staging"),
+    )
+
+
+def _staging_oracle(case: Case) -> Case:
+    # Only the 2026 families' mirrored cases may be refused where stock's
+    # per-layer staging is (see test_pairing_matrix.py).
+    return staging_case(case) if model_family(case.decode.layout) else case
+
+
 ORACLE_CASES = list(
-    {c.name: c for f in (oracle_case, device_case) for c in map(f, CASES)}.values()
+    {
+        c.name: c
+        for f in (oracle_case, device_case, _staging_oracle)
+        for c in map(f, CASES)
+    }.values()
 )
 
 
@@ -179,9 +271,8 @@ def _error(e: BaseException | None) -> str | None:
     return None if e is None else type(e).__name__
 
 
-def _digest_and_clear(caches, raws) -> tuple[str, bool]:
-    """Digest of every cache view's bytes (by name), then whether the views
-    held every written byte: zeroed, the allocations must be all zero.
+def _digest(caches) -> str:
+    """Digest of every cache view's bytes (by name).
 
     Views, not allocations, are digested: an allocation's leading alignment
     bytes depend on its address (the HiSparse host pool's do).
@@ -193,39 +284,191 @@ def _digest_and_clear(caches, raws) -> tuple[str, bool]:
         view = caches[name]
         h.update(name.encode())
         h.update(view.contiguous().view(torch.uint8).numpy().tobytes())
-    for view in caches.values():
+    return h.hexdigest()
+
+
+def _padded_pages(view, page_bytes: int | None, raws):
+    """A layer's pages with their padding: ``(blocks, page_bytes)`` bytes.
+
+    A page's bytes past the view (alignment padding, e.g. DeepSeek-V4's
+    584 B-per-token pages rounded up to 576 B multiples) are part of the page:
+    a whole-row transfer moves them. Falls back to the view where its block
+    pages are not contiguous or the page size is unknown.
+    """
+    import torch
+
+    if page_bytes is None or not view[0].is_contiguous():
+        return view
+    storage = view.untyped_storage().data_ptr()
+    raw = next((r for r in raws if r.untyped_storage().data_ptr() == storage), None)
+    block_stride = view.stride(0) * view.element_size()
+    if raw is None or block_stride < page_bytes:
+        return view
+    start = raw.storage_offset() + view.data_ptr() - raw.data_ptr()
+    return torch.as_strided(raw, (view.shape[0], page_bytes), (block_stride, 1), start)
+
+
+def _raw_of(tensor, raws):
+    storage = tensor.untyped_storage().data_ptr()
+    return next((r for r in raws if r.untyped_storage().data_ptr() == storage), None)
+
+
+def _rows(layout, raws) -> dict[str, tuple[Any, dict[str, int]]]:
+    """Whole block rows of a block-outermost layout's device allocations.
+
+    Keyed by the first layer of each row-sharing ``KVCacheTensor``: the
+    ``(num_blocks, block_stride)`` bytes of the allocation's rows (row padding
+    included) and the in-row offset of every layer of that row.
+    """
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    if not KVCacheLayout[layout.kv_cache_layout].is_block_outermost:
+        return {}
+    found: dict[tuple[int, int, int], tuple[str, Any, dict[str, int]]] = {}
+    for tensor in layout.kv_cache_config.kv_cache_tensors:
+        if tensor.host_resident:
+            continue
+        for i, name in enumerate(tensor.layers):
+            view = layout.kv_caches.get(name)
+            raw = None if view is None else _raw_of(view, raws)
+            if view is None or view.ndim < 2 or raw is None:
+                continue
+            stride = view.stride(0) * view.element_size()
+            offset = tensor.offset + i * tensor.layer_stride
+            start = view.data_ptr() - raw.data_ptr() - offset
+            if stride != tensor.block_stride or start < 0:
+                break
+            key = (raw.data_ptr(), start, stride)
+            if key not in found:
+                base = raw.storage_offset() + start
+                rows = torch.as_strided(raw, (view.shape[0], stride), (stride, 1), base)
+                found[key] = (name, rows, {})
+            offsets = found[key][2]
+            for j, member in enumerate(tensor.layers):
+                offsets[member] = tensor.offset + j * tensor.layer_stride
+            break
+    return {name: (rows, offsets) for name, rows, offsets in found.values()}
+
+
+def _clear_views(d_layout, decode, raws) -> bool:
+    """Zero every cache page (with padding) and row; whether all raws are 0."""
+    for name, view in d_layout.kv_caches.items():
+        spec = decode._layer_specs.get(name)
+        if view.ndim >= 2:
+            _padded_pages(view, getattr(spec, "page_size_bytes", None), raws).zero_()
         view.zero_()
-    return h.hexdigest(), not any(bool(raw.any()) for raw in raws)
+    for rows, _ in _rows(d_layout, raws).values():
+        rows.zero_()
+    return not any(bool(raw.any()) for raw in raws)
 
 
-def _landed(d_layout, p_layout, decode, prefill, local, remote) -> int:
-    """Layer pages where D's block holds P's block; raises on a mismatch.
+def _truth(d_layout, p_layout, decode, prefill, local, remote, raws) -> dict:
+    """What D holds after the request, against P; zeroes D's views.
 
-    Compared view by view over the layers both sides have (Mamba state pages
-    and view-less raw buffers excluded), for every transferred block.
+    Over the layers both sides have (view-less raw buffers left out), in
+    every block of the request (each block belongs to one transfer group,
+    paired with P's block at the same position of that group's list):
+
+    - ``pages``/``wrong_pages``: the request's layer pages (a layer of the
+      block's own group; Mamba state pages excepted, a connector moves only
+      the states it needs) and those whose bytes differ from P's;
+    - ``foreign_bytes``: bytes of those blocks that hold neither D's own zero
+      nor P's byte at that place, such as never-written host memory: every
+      layer's page (padding included; other groups' pages aliasing the row
+      too) and, where D and P lay the row out alike, the whole block row
+      (row padding included). A whole-row READ moves P's bytes into all of
+      them; that is not foreign;
+    - ``outside_clean``: with those blocks' pages and rows zeroed, D's device
+      allocations are all zero: nothing outside the request's blocks
+      changed;
+    - ``untouched``: with every cache page and row zeroed, the allocations
+      are all zero (the pages and rows held every written byte).
     """
     import torch
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     d_groups = decode.kv_cache_config.transfer_group_index_by_layer
     p_groups = prefill.kv_cache_config.transfer_group_index_by_layer
-    checked = 0
+    block_pairs: dict[int, tuple[int, int]] = {}  # D block -> (group, P block)
+    for group, (d_ids, p_ids) in enumerate(zip(local, remote, strict=True)):
+        for d_block, p_block in zip(d_ids, p_ids, strict=False):
+            block_pairs[d_block] = (group, p_block)
+    pages = wrong = foreign = 0
+    written = []
+
+    def count_foreign(got, want) -> int:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+        return int(((got != 0) & (got != want)).sum())
+
+    # Whole rows where D and P lay them out alike; their layers' pages are
+    # then checked as part of the row.
+    p_rows = _rows(p_layout, p_layout.raws)
+    in_rows: set[str] = set()
+    for name, (rows, offsets) in _rows(d_layout, raws).items():
+        p_row = p_rows.get(name)
+        alike = (
+            p_row is not None
+            and p_row[1] == offsets
+            and rows.shape[1] == p_row[0].shape[1]
+        )
+        if alike:
+            in_rows |= offsets.keys()
+        for d_block, (_, p_block) in block_pairs.items():
+            written.append(rows[d_block])
+            if alike:
+                foreign += count_foreign(rows[d_block], p_row[0][p_block])
     for name, view in d_layout.kv_caches.items():
         p_view = p_layout.kv_caches.get(name)
-        if p_view is None or view.ndim < 2 or name not in p_groups:
+        if p_view is None or view.ndim < 2:
             continue
-        if name not in d_groups or not isinstance(
-            decode._layer_specs.get(name), AttentionSpec
-        ):
+        if name not in d_groups or name not in p_groups:
             continue
-        for d_block, p_block in zip(
-            local[d_groups[name]], remote[p_groups[name]], strict=False
-        ):
-            got, want = view[d_block].view(torch.uint8), p_view[p_block]
-            if not torch.equal(got, want.view(torch.uint8)):
-                raise AssertionError(f"{name}: D block {d_block} != P {p_block}")
-            checked += 1
-    return checked
+        spec = decode._layer_specs.get(name)
+        p_spec = prefill._layer_specs.get(name)
+        padded = _padded_pages(view, getattr(spec, "page_size_bytes", None), raws)
+        p_padded = _padded_pages(
+            p_view, getattr(p_spec, "page_size_bytes", None), p_layout.raws
+        )
+        same_shape = padded.shape[1:] == p_padded.shape[1:]
+        for d_block, (group, p_block) in block_pairs.items():
+            got = padded[d_block]
+            written.append(got)
+            if group == d_groups[name] and isinstance(spec, AttentionSpec):
+                pages += 1
+                wrong += not torch.equal(
+                    view[d_block].view(torch.uint8), p_view[p_block].view(torch.uint8)
+                )
+            if same_shape and name not in in_rows:
+                foreign += count_foreign(got, p_padded[p_block])
+    for page in written:
+        page.zero_()
+    outside_clean = not any(bool(raw.any()) for raw in raws)
+    return {
+        "pages": pages,
+        "wrong_pages": wrong,
+        "foreign_bytes": foreign,
+        "outside_clean": outside_clean,
+        "untouched": _clear_views(d_layout, decode, raws),
+    }
+
+
+def _poison_staging(layout, device_raws, seed: int) -> None:
+    """Fill the host staging buffers a worker added to ``layout.raws``."""
+    from types import SimpleNamespace
+
+    from checks.layout_zoo import fill_pattern
+
+    device = {raw.data_ptr() for raw in device_raws}
+    staging = [raw for raw in layout.raws if raw.data_ptr() not in device]
+    if staging:
+        fill_pattern(SimpleNamespace(raws=staging), seed=seed)
+
+
+def _failure(out: dict[str, Any], step: str, e: BaseException) -> dict[str, Any]:
+    out["error"] = f"{step}: {_error(e)}"
+    out["message"] = str(e)[:600]
+    return out
 
 
 def run_case(case: Case) -> dict[str, Any]:
@@ -233,7 +476,8 @@ def run_case(case: Case) -> dict[str, Any]:
     from checks.layout_zoo import fill_pattern, zero
 
     p_layout, d_layout = case.prefill.build(), case.decode.build()
-    d_device_raws = list(d_layout.raws)  # before staging buffers join them
+    # Before the workers' staging buffers join them.
+    p_device_raws, d_device_raws = list(p_layout.raws), list(d_layout.raws)
     fill_pattern(p_layout, seed=7)
     zero(d_layout)  # allocators may hand out uninitialised memory
     workers = []
@@ -243,17 +487,22 @@ def run_case(case: Case) -> dict[str, Any]:
             (p_layout, case.prefill, "prefill"),
             (d_layout, case.decode, "decode"),
         ):
-            workers.append(
-                make_zoo_worker(
+            try:
+                worker = make_zoo_worker(
                     layout,
                     engine_id=engine,
                     coalesce=True,
                     tp_rank=side.tp_rank,
                     tp_size=side.tp_size,
                 )
-            )
+            except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
+                return _failure(out, f"register {engine}", e)
+            workers.append(worker)
         prefill, decode = workers
         out["regions"] = [prefill.num_regions, decode.num_regions]
+        # Host staging buffers are torch.empty: give them bytes no page holds.
+        _poison_staging(p_layout, p_device_raws, seed=99)
+        _poison_staging(d_layout, d_device_raws, seed=98)
         try:
             connect(
                 decode,
@@ -262,10 +511,9 @@ def run_case(case: Case) -> dict[str, Any]:
                 remote_tp_size=case.prefill.tp_size,
             )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
-            out["error"] = f"handshake: {_error(e)}"
-            return out
+            return _failure(out, "handshake", e)
         rng = random.Random(11)
-        ratio = case.decode.block_size // case.prefill.block_size
+        ratio = d_layout.block_size // p_layout.block_size
         local = _request(decode, rng, 4)
         remote = _request(prefill, rng, 4 * ratio)
         try:
@@ -276,25 +524,31 @@ def run_case(case: Case) -> dict[str, Any]:
                 remote,
                 remote_rank=case.prefill.tp_rank,
                 remote_tp_size=case.prefill.tp_size,
-                num_tokens=4 * ratio * case.prefill.block_size,
+                num_tokens=4 * ratio * p_layout.block_size,
                 staging_copies=True,
             )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
-            out["error"] = f"read: {_error(e)}"
-            return out
-        landed = (
-            _landed(d_layout, p_layout, decode, prefill, local, remote)
-            if ratio == 1 and not decode._has_mamba
-            else None
-        )
-        digest, untouched = _digest_and_clear(d_layout.kv_caches, d_device_raws)
+            return _failure(out, "read", e)
+        digest = _digest(d_layout.kv_caches)
+        if ratio == 1:
+            truth = _truth(
+                d_layout, p_layout, decode, prefill, local, remote, d_device_raws
+            )
+        else:
+            # P's blocks split D's: pages do not pair one to one.
+            truth = {
+                "pages": None,
+                "wrong_pages": None,
+                "foreign_bytes": None,
+                "outside_clean": None,
+                "untouched": _clear_views(d_layout, decode, d_device_raws),
+            }
         out.update(
             accepted=True,
             descriptors=result.descriptors,
             total_bytes=result.total_bytes,
             digest=digest,
-            untouched=untouched,
-            landed=landed,
+            **truth,
         )
         return out
     finally:
