@@ -108,13 +108,55 @@ synthetic/glm-draft-storage     9        SYNTHETIC: the glm53 row plus a draft
                                          per-layer regions (102 at L=78).
 ==============================  =======  ==========================================
 
+The 2026 families (``zoo_models``: built from the models' own cache classes
+and the attention layers' own specs, real page sizes, their own block size
+and default layer count; mixed page sizes, so block-outermost only). Regions
+under stock registration, and transfer groups (``test_layout_zoo.py``
+``MODEL_ROWS``):
+
+================================  =======  ======  ==================================
+name                              regions  groups  what it is
+================================  =======  ======  ==================================
+dsv4/BLHNC                        1        6       DeepSeek-V4-Flash, first 8 layers
+                                                   (SWA x2, then C4A / C128A): per
+                                                   layer a ``DeepseekV4SWACache``
+                                                   (64-token pages), the compressed
+                                                   cache, compressor states and, for
+                                                   C4A, the indexer K cache and its
+                                                   compressor state; block 256; the
+                                                   groups alias one 143,424 B row
+                                                   from byte 0 (7 groups at L=4, 5 at
+                                                   the full 43 layers).
+dsv4-mtp/BLHNC                    1        6       The same plus the MTP layer (its
+                                                   SWA cache, ``is_draft``).
+dsv4-mtp+host-staging/BLHNC       27       6       ``kv_buffer_device="cpu"``: one
+                                                   dense host region per layer view.
+dsv4-mtp+mirrored-staging/BLHNC   1        6       With ``mirror_host_buffers``.
+dsv41/BLHNC                       1        7       DeepSeek-V4.1-Flash, 5 layers
+                                                   (upstream's mono-layer topology) on
+                                                   SM100: SWA caches (32-token
+                                                   blocks), the kv sources' compressed
+                                                   caches and indexer K caches, and
+                                                   the ratio-2 compressor ring
+                                                   (``CircularBufferSpec``); block
+                                                   128.
+dsv41+host-staging/BLHNC          -        7       Refused at registration, stock too
+                                                   ("NIXL host staging does not
+                                                   preserve CSA-linear shared
+                                                   tensors"); so is the mirrored one.
+================================  =======  ======  ==================================
+
 Stock handshakes measured here (``D <- P``, same seed unless stated): every
 layout with itself: accepted. Refused with "Packed KV block rows differ": a
 whole-row BLHNC D from a P with a different ``permute_seed``, from a host
 staging P, from a PP=2 stage, from an LBNHC P, from the synthetic P, or from a
 P with another cache dtype (dsv2-fp8 vs dsv2-bf16). Accepted: HiSparse D from
 glm53 P, host-staging D from glm53-mtp P, LBNHC D from BLHNC P, and D/P with
-different seeds on every layout that is not one whole-row region.
+different seeds on every layout that is not one whole-row region. DeepSeek-V4:
+a per-layer staging D from a device P is refused (NotImplementedError,
+"multi-group packed KV rows into per-layer regions"), a staging P by a device
+D ("Packed KV block rows differ"); staging on both sides is accepted and
+corrupts the request (``pairing_matrix.STOCK_CORRUPTS``).
 
 What could not be built as asked, and why:
 
@@ -266,7 +308,7 @@ class _Recipe:
     Attributes:
         family: Spec builder key in ``_FAMILIES``.
         layout: KV cache layout the engine core resolved.
-        mtp: Add an MTP drafter layer (GLM only).
+        mtp: Add an MTP drafter layer (GLM-5.3, DeepSeek-V4).
         hisparse: Plan and allocate as a HiSparse decoder.
         host_staging: ``kv_buffer_device="cpu"`` on the worker.
         mirror: With ``host_staging``, ``mirror_host_buffers`` (host buffers

@@ -13,6 +13,13 @@ decoder) driven by a seeded churn of allocations and tail-first frees with
 prefix caching, under the queue and the sorted allocation policies. The
 expected count is computed here from those lists; NIXL's telemetry says what
 the decoder's read path posted.
+
+Rows with several transfer groups (DeepSeek-V4 / V4.1: 6 and 7 groups
+aliasing one whole-row region) get one block list per group, allocated one
+after the other from the same pool, as the hybrid KV cache manager
+allocates a request's groups (``churned_requests``); their floor is
+``regions x runs`` over the pairs of all groups (one region: NIXL merges
+across groups where the posted pairs continue).
 """
 
 import random
@@ -25,11 +32,14 @@ from checks.real_nixl import connect, probe_real_nixl, pull_request
 pytest.importorskip("nixl")
 
 NUM_BLOCKS = 512
-# (layout, dense regions at 4 layers + the MTP layer)
+# (layout, dense regions: GLM-5.3 at 4 layers + the MTP layer; DeepSeek-V4
+# at 8 + MTP and V4.1 at 5, one whole row each)
 LAYOUTS = [
     ("glm53-mtp/BLHNC", 1),
     ("glm53-mtp/LBNHC", 10),
     ("glm53-mtp+mirrored-staging/BLHNC", 1),
+    ("dsv4-mtp/BLHNC", 1),
+    ("dsv41/BLHNC", 1),
 ]
 
 
@@ -63,6 +73,44 @@ def churned_lists(policy: str, seed: int, count: int) -> list[list[int]]:
     return lists
 
 
+def churned_requests(
+    policy: str, seed: int, count: int, groups: int
+) -> list[list[list[int]]]:
+    """Per-group block lists of ``count`` requests from a churned pool.
+
+    Each request allocates ``groups`` lists of the same length one after the
+    other (the hybrid manager allocates a request's groups in turn) and is
+    freed group by group, each tail first.
+    """
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    pool.sort_new_blocks = policy == "sorted"
+    rng = random.Random(seed)
+    live: list[list[list]] = []
+    requests: list[list[list[int]]] = []
+    next_hash = 0
+    while len(requests) < count:
+        if live and (rng.random() < 0.45 or pool.get_num_free_blocks() < 64):
+            for blocks in reversed(live.pop(rng.randrange(len(live)))):
+                pool.free_blocks(reversed(blocks))
+            continue
+        size = rng.randint(1, 48 // groups)
+        request = [pool.get_new_blocks(size) for _ in range(groups)]
+        for blocks in request:
+            for block in blocks[: rng.randint(0, len(blocks))]:
+                next_hash += 1
+                key = BlockHash(next_hash.to_bytes(8, "little"))
+                pool._insert_block_hash(
+                    make_block_hash_with_group_id(key, 0), block, num_tokens=None
+                )
+        live.append(request)
+        if len(live) > 4:
+            requests.append([[block.block_id for block in b] for b in request])
+    return requests
+
+
 def runs(local: list[int], remote: list[int]) -> int:
     """(local, remote) pairs merged where both sides continue: the floor."""
     pairs = sorted(zip(local, remote, strict=True))
@@ -82,10 +130,15 @@ def nixl_ok() -> None:
 @pytest.mark.parametrize("policy", ["queue", "sorted"])
 @pytest.mark.parametrize(("name", "regions"), LAYOUTS)
 def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
-    remote_lists = churned_lists(policy, seed=1, count=12)
-    local_lists = churned_lists(policy, seed=2, count=12)
     p_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
     d_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
+    groups = len(p_layout.kv_cache_config.transfer_groups)
+    if groups == 1:
+        remote_lists = [[ids] for ids in churned_lists(policy, seed=1, count=12)]
+        local_lists = [[ids] for ids in churned_lists(policy, seed=2, count=12)]
+    else:
+        remote_lists = churned_requests(policy, seed=1, count=12, groups=groups)
+        local_lists = churned_requests(policy, seed=2, count=12, groups=groups)
     fill_pattern(p_layout, seed=3)
     zero(d_layout)
     prefill = make_zoo_worker(p_layout, engine_id="prefill", coalesce=True)
@@ -95,12 +148,15 @@ def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
         connect(decode, prefill)
         floors, posted = [], []
         for remote, local in zip(remote_lists, local_lists, strict=True):
-            n = min(len(remote), len(local))
-            local, remote = local[:n], remote[:n]
-            result = pull_request(
-                decode, prefill, [local], [remote], staging_copies=True
-            )
-            floors.append(regions * runs(local, remote))
+            pairs = [
+                (lo[: min(len(lo), len(re))], re[: min(len(lo), len(re))])
+                for lo, re in zip(local, remote, strict=True)
+            ]
+            local, remote = [lo for lo, _ in pairs], [re for _, re in pairs]
+            result = pull_request(decode, prefill, local, remote, staging_copies=True)
+            flat_local = [block for ids in local for block in ids]
+            flat_remote = [block for ids in remote for block in ids]
+            floors.append(regions * runs(flat_local, flat_remote))
             posted.append(result.descriptors)
         assert posted == floors
         # The lists are not trivially one run each.

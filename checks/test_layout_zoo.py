@@ -18,10 +18,29 @@ from checks.layout_zoo import (
     connect,
     fill_pattern,
     make_zoo_worker,
+    model_family,
     zero,
 )
 
 pytestmark = pytest.mark.cpu_test
+
+# The 2026 families (``zoo_models``) under stock registration
+# (``coalesce=False``, their default layer counts): regions per side and
+# transfer groups, all aliasing one block row from byte 0.
+MODEL_ROWS = {
+    "dsv4/BLHNC": (1, 6),
+    "dsv4-mtp/BLHNC": (1, 6),
+    # Per-layer staging: one dense host region per layer view.
+    "dsv4-mtp+host-staging/BLHNC": (27, 6),
+    "dsv4-mtp+mirrored-staging/BLHNC": (1, 6),
+    "dsv41/BLHNC": (1, 7),
+}
+# Layouts whose workers refuse to register (stock does too): the message.
+REFUSED_AT_REGISTRATION = {
+    # The V4.1 compressor ring (a CircularBufferSpec) shares its row.
+    "dsv41+host-staging/BLHNC": "CSA-linear shared tensors",
+    "dsv41+mirrored-staging/BLHNC": "CSA-linear shared tensors",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +72,10 @@ def test_only_the_synthetic_layout_is_hand_built():
 def test_zoo_layout_handshakes(name, real_nixl):
     prefill_layout = build_zoo_layout(name)
     decode_layout = build_zoo_layout(name)
+    if name in REFUSED_AT_REGISTRATION:
+        with pytest.raises(NotImplementedError, match=REFUSED_AT_REGISTRATION[name]):
+            make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
+        return
     prefill = make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
     decode = make_zoo_worker(decode_layout, engine_id=f"D-{name}", coalesce=False)
     try:
@@ -100,6 +123,31 @@ def test_hisparse_layout_has_device_row_and_host_pool():
     # View-less HiSparse specs hand the runner the raw 1-D device buffer.
     assert any(cache.dim() == 1 for cache in layout.kv_caches.values())
     assert all(cache.dtype == torch.int8 for cache in layout.raws)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_ROWS))
+def test_model_family_rows(name):
+    regions, groups = MODEL_ROWS[name]
+    layout = build_zoo_layout(name)
+    assert model_family(name) is not None
+    config = layout.kv_cache_config
+    assert len(config.transfer_groups) == groups
+    # One device allocation; every group has a page at byte 0 of the row.
+    (raw,) = layout.raws
+    offsets = _offsets(layout)
+    by_group = config.transfer_group_index_by_layer
+    at_zero = {by_group[layer] for layer, off in offsets.items() if off == 0}
+    assert at_zero == set(range(groups))
+    # Real page sizes: not all alike (hence block-outermost only).
+    assert len({t.layer_stride for t in config.kv_cache_tensors}) > 1
+    assert raw.numel() == config.num_blocks * max(
+        t.block_stride for t in config.kv_cache_tensors
+    )
+    worker = make_zoo_worker(layout, engine_id="P", coalesce=False, real_nixl=False)
+    try:
+        assert worker.num_regions == regions
+    finally:
+        worker.shutdown()
 
 
 def test_glm_at_78_layers():
