@@ -15,11 +15,14 @@ The outcome of a case is what a user could observe: whether the workers
 registered, the handshake and the READ were accepted (and the error type and
 message otherwise), the bytes and descriptors NIXL reported, and a digest of
 every byte of D's device allocations afterwards. Each accepted case also
-records the truth, independent of any oracle: how many of the request's layer
-pages D holds and how many of them differ from P's (``pages``,
-``wrong_pages``), and whether every byte of D's device allocations outside
-those pages is still zero (``outside_clean``). The same code runs against
-stock 0.33.0 and against the fork, so stock is the oracle where it is right::
+records the truth, independent of any oracle (``_truth``): how many of the
+request's layer pages D holds and how many of them differ from P's
+(``pages``, ``wrong_pages``), how many bytes of the request's blocks hold
+bytes from no page of P (``foreign_bytes``), and whether everything outside
+the request's blocks is still zero (``outside_clean``). Workers are built
+with ``torch.empty`` handing out non-zero bytes, as real allocators may, so
+a read of never-written host memory shows. The same code runs against stock
+0.33.0 and against the fork, so stock is the oracle where it is right::
 
     PYTHONPATH=build/stock python -m checks.pairing_matrix --json stock.json
 
@@ -34,9 +37,12 @@ import hashlib
 import json
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from checks.layout_zoo import (
     ZOO,
@@ -453,16 +459,27 @@ def _truth(d_layout, p_layout, decode, prefill, local, remote, raws) -> dict:
     }
 
 
-def _poison_staging(layout, device_raws, seed: int) -> None:
-    """Fill the host staging buffers a worker added to ``layout.raws``."""
-    from types import SimpleNamespace
+@contextmanager
+def _uninitialised_empty() -> Iterator[None]:
+    """``torch.empty`` hands out memory holding bytes no page holds.
 
-    from checks.layout_zoo import fill_pattern
+    Real allocators return whatever the memory held; here fresh pages are
+    zero, which would hide a read of never-written memory. While a worker is
+    built (its host staging buffers), every non-empty CPU ``torch.empty``
+    comes back filled with 0xA5 bytes; ``torch.zeros`` stays zero.
+    """
+    import torch
 
-    device = {raw.data_ptr() for raw in device_raws}
-    staging = [raw for raw in layout.raws if raw.data_ptr() not in device]
-    if staging:
-        fill_pattern(SimpleNamespace(raws=staging), seed=seed)
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real(*args, **kwargs)
+        if tensor.device.type == "cpu" and tensor.numel() and tensor.is_contiguous():
+            tensor.view(-1).view(torch.uint8).fill_(0xA5)
+        return tensor
+
+    with patch.object(torch, "empty", empty):
+        yield
 
 
 def _failure(out: dict[str, Any], step: str, e: BaseException) -> dict[str, Any]:
@@ -476,8 +493,7 @@ def run_case(case: Case) -> dict[str, Any]:
     from checks.layout_zoo import fill_pattern, zero
 
     p_layout, d_layout = case.prefill.build(), case.decode.build()
-    # Before the workers' staging buffers join them.
-    p_device_raws, d_device_raws = list(p_layout.raws), list(d_layout.raws)
+    d_device_raws = list(d_layout.raws)  # before staging buffers join them
     fill_pattern(p_layout, seed=7)
     zero(d_layout)  # allocators may hand out uninitialised memory
     workers = []
@@ -488,21 +504,19 @@ def run_case(case: Case) -> dict[str, Any]:
             (d_layout, case.decode, "decode"),
         ):
             try:
-                worker = make_zoo_worker(
-                    layout,
-                    engine_id=engine,
-                    coalesce=True,
-                    tp_rank=side.tp_rank,
-                    tp_size=side.tp_size,
-                )
+                with _uninitialised_empty():
+                    worker = make_zoo_worker(
+                        layout,
+                        engine_id=engine,
+                        coalesce=True,
+                        tp_rank=side.tp_rank,
+                        tp_size=side.tp_size,
+                    )
             except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
                 return _failure(out, f"register {engine}", e)
             workers.append(worker)
         prefill, decode = workers
         out["regions"] = [prefill.num_regions, decode.num_regions]
-        # Host staging buffers are torch.empty: give them bytes no page holds.
-        _poison_staging(p_layout, p_device_raws, seed=99)
-        _poison_staging(d_layout, d_device_raws, seed=98)
         try:
             connect(
                 decode,
