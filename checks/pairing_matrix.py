@@ -396,9 +396,22 @@ def _truth(d_layout, p_layout, decode, prefill, local, remote, raws) -> dict:
 
     d_groups = decode.kv_cache_config.transfer_group_index_by_layer
     p_groups = prefill.kv_cache_config.transfer_group_index_by_layer
-    block_pairs: dict[int, tuple[int, int]] = {}  # D block -> (group, P block)
-    for group, (d_ids, p_ids) in enumerate(zip(local, remote, strict=True)):
-        for d_block, p_block in zip(d_ids, p_ids, strict=False):
+    # D block -> (its D group, the P block it reads): each D group is paired
+    # with the P group of its layers (P and D may group layers differently,
+    # e.g. a HiSparse decoder).
+    block_pairs: dict[int, tuple[int, int]] = {}
+    for group, d_ids in enumerate(local):
+        p_group = next(
+            (
+                p_groups[layer]
+                for layer, g in d_groups.items()
+                if g == group and layer in p_groups
+            ),
+            None,
+        )
+        if p_group is None:
+            continue
+        for d_block, p_block in zip(d_ids, remote[p_group], strict=False):
             block_pairs[d_block] = (group, p_block)
     pages = wrong = foreign = 0
     written = []
@@ -437,13 +450,15 @@ def _truth(d_layout, p_layout, decode, prefill, local, remote, raws) -> dict:
             p_view, getattr(p_spec, "page_size_bytes", None), p_layout.raws
         )
         same_shape = padded.shape[1:] == p_padded.shape[1:]
-        for d_block, (group, p_block) in block_pairs.items():
+        own = dict(zip(local[d_groups[name]], remote[p_groups[name]], strict=False))
+        for d_block, (_, p_block) in block_pairs.items():
             got = padded[d_block]
             written.append(got)
-            if group == d_groups[name] and isinstance(spec, AttentionSpec):
+            if d_block in own and isinstance(spec, AttentionSpec):
                 pages += 1
                 wrong += not torch.equal(
-                    view[d_block].view(torch.uint8), p_view[p_block].view(torch.uint8)
+                    view[d_block].view(torch.uint8),
+                    p_view[own[d_block]].view(torch.uint8),
                 )
             if same_shape and name not in in_rows:
                 foreign += count_foreign(got, p_padded[p_block])
