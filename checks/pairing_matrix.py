@@ -59,20 +59,34 @@ _STAGING = "glm53-mtp+host-staging/BLHNC"
 _MIRRORED = "glm53-mtp+mirrored-staging/BLHNC"
 
 # Stock cases (``oracle_case`` names) where stock 0.33.0 itself moves wrong
-# bytes: D's pages differ from P's, or bytes outside the READ's pages change.
-# Stock is no oracle there; the fork must be exact or refuse the pair with an
-# error that names ``mirror_host_buffers``. A stock case that is wrong and is
-# not listed here fails the check until someone names it (and a listed case
-# that stock gets right fails too, so the list stays true).
-STOCK_CORRUPTS: dict[str, str] = {
+# bytes: D's pages differ from P's, bytes from no page of P land in the
+# request's blocks, or bytes outside them change (``_truth``). Stock is no
+# oracle there: the fork must be exact, or refuse the pair with an error
+# whose message contains the entry's hint (any message where it is None). A
+# stock case that is wrong and is not listed here fails the check until
+# someone names it, and a listed case that stock gets right fails too, so
+# the list stays true. Value: (what goes wrong, hint a refusal must give).
+STOCK_CORRUPTS: dict[str, tuple[str, str | None]] = {
     # Per-layer host staging on both sides of a DeepSeek-V4 row, whose
     # transfer groups alias one block row from byte 0:
     # sync_recved_kv_to_device flattens every group's block ids and copies
     # every layer's host buffer for all of them, so layers of other groups
-    # write their never-filled host pages over the pages just read.
+    # write their never-filled host pages over the pages just read (84 of
+    # 108 layer pages wrong).
     "dsv4-mtp+host-staging/BLHNC->dsv4-mtp+host-staging/BLHNC:same": (
         "per-layer h2d staging copies every layer for every group's blocks "
-        "over aliased rows"
+        "over aliased rows",
+        "mirror_host_buffers",
+    ),
+    # Nemotron-H at 4 layers has one layer per transfer group, all aliasing
+    # one region; P and D built with different permute_seeds number those
+    # groups differently (P's group 0 is the attention layer, D's a Mamba
+    # mixer). The handshake accepts it and each group's READ fills D's layer
+    # with another layer's pages of P (4 of 4 attention pages wrong). Found
+    # when the truth check came to Mamba hybrids; the fork does the same.
+    "nemotron-h/LBNHC->nemotron-h/LBNHC:permuted": (
+        "P and D number the transfer groups differently; groups pair by index",
+        None,
     ),
 }
 

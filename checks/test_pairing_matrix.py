@@ -20,9 +20,9 @@ wrong on stock). The fork must:
 - accept exactly the pairs stock accepts, failing at the same step
   (registration, handshake or READ) otherwise; where stock is wrong
   (``STOCK_CORRUPTS``) it may instead refuse the pair, with an error that
-  names ``mirror_host_buffers``; a 2026-family mirrored side may be refused
-  where stock's per-layer staging of that side is refused, with stock's
-  error type;
+  gives the entry's hint (``mirror_host_buffers`` for staging); a
+  2026-family mirrored side may be refused where stock's per-layer staging
+  of that side is refused, with stock's error type;
 - leave every byte of the decoder's device allocations as stock leaves them
   (unless stock is wrong there);
 - move the same number of bytes and post no more descriptors.
@@ -103,7 +103,9 @@ def test_pair_matches_stock(stock: dict, case: Case):
     if stock_wrong and not got["accepted"]:
         # Stock moves wrong bytes here: refusing the pair is the fix too, if
         # the error tells the user what works.
-        assert "mirror_host_buffers" in (got.get("message") or ""), got
+        _, hint = STOCK_CORRUPTS[name]
+        assert got.get("message"), got
+        assert hint is None or hint in got["message"], got
         return
     staged = stock.get(staging_case(case).name)
     if (
