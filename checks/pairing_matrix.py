@@ -258,18 +258,18 @@ def staging_case(case: Case) -> Case:
     )
 
 
-def _staging_oracle(case: Case) -> Case:
-    # Only the 2026 families' mirrored cases may be refused where stock's
-    # per-layer staging is (see test_pairing_matrix.py).
-    return staging_case(case) if model_family(case.decode.layout) else case
-
-
+# The 2026 families' mirrored cases may be refused where stock's per-layer
+# staging is (see test_pairing_matrix.py): their staging cases join too.
+_ORACLE_OF = (oracle_case, device_case)
 ORACLE_CASES = list(
-    {
-        c.name: c
-        for f in (oracle_case, device_case, _staging_oracle)
-        for c in map(f, CASES)
-    }.values()
+    (
+        {c.name: c for f in _ORACLE_OF for c in map(f, CASES)}
+        | {
+            staging_case(c).name: staging_case(c)
+            for c in CASES
+            if model_family(c.decode.layout)
+        }
+    ).values()
 )
 
 
