@@ -49,7 +49,7 @@ layer's indexer cache is constructed (and reported) before its MLA cache, so
 the row is ``[I0 I1 .. | L0 L1 ..]``.
 
 Layouts (``ZOO``) and ``worker.num_regions`` under stock registration
-(``coalesce=False``, ``num_layers=4``, measured by ``test_layout_zoo.py``;
+(``num_layers=4``, measured by ``test_layout_zoo.py``;
 L = decoder layers):
 
 ==============================  =======  ==========================================
@@ -246,6 +246,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 # One byte pattern and handshake for every layout kind.
 from checks import zoo_models
 from checks.real_nixl import connect, fill_pattern, zero
+from checks.row_layouts import standard_reads
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
 # Real per-token bytes / dims of the model families (divided by ``scale``).
@@ -1082,16 +1083,17 @@ def make_zoo_worker(
     """Build a NIXL pull worker over a layout and run the real registration.
 
     Only the distributed runtime (TP rank/size), the attention backends, the
-    NUMA core reservation and (with ``real_nixl=False``) NIXL are faked;
-    ``VLLM_NIXL_COALESCE_REGIONS`` is patched to ``coalesce`` for construction
-    and ``register_kv_caches``. Host-staging layouts run with the platform's
+    NUMA core reservation and (with ``real_nixl=False``) NIXL are faked.
+    Host-staging layouts run with the platform's
     ``device_type`` patched to ``"cuda"`` (see the module docstring) and their
     staging buffers are appended to ``layout.raws``.
 
     Args:
         layout: The layout; build one per worker.
         engine_id: The worker's engine id.
-        coalesce: Value of ``VLLM_NIXL_COALESCE_REGIONS`` during registration.
+        coalesce: Whether the worker may read adjacent regions as one (the
+            fork's default); False keeps it on the standard read
+            (``row_layouts.standard_reads``). Stock ignores it.
         real_nixl: Use the real ``NixlWrapper`` (UCX on host DRAM), else a
             ``RecordingNixl``.
         tp_rank: This worker's TP rank.
@@ -1114,9 +1116,6 @@ def make_zoo_worker(
     nixl_cls = _real_nixl_wrapper() if real_nixl else RecordingNixl
     with ExitStack() as stack:
         stack.enter_context(_conv_state_layout(layout.conv_state_layout))
-        stack.enter_context(
-            patch.dict(os.environ, VLLM_NIXL_COALESCE_REGIONS=str(int(coalesce)))
-        )
         stack.enter_context(
             patch.object(bw, "get_tensor_model_parallel_rank", return_value=tp_rank)
         )
@@ -1141,6 +1140,8 @@ def make_zoo_worker(
         worker.use_mla = layout.use_mla
         worker.register_kv_caches(layout.kv_caches)
         worker.set_host_xfer_buffer_ops(cpu_copy_blocks)
+    if not coalesce:
+        standard_reads(worker)
     if worker.host_xfer_buffers:
         seen = {raw.data_ptr() for raw in layout.raws}
         for raw in _raws(worker.host_xfer_buffers):

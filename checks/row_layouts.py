@@ -208,9 +208,6 @@ def make_worker(
     backend.full_cls_name.return_value = "fake.FLASHMLA"
     with ExitStack() as stack:
         stack.enter_context(
-            patch.object(bw.envs, "VLLM_NIXL_COALESCE_REGIONS", coalesce)
-        )
-        stack.enter_context(
             patch.object(bw, "get_tensor_model_parallel_rank", return_value=0)
         )
         stack.enter_context(
@@ -225,4 +222,17 @@ def make_worker(
         worker = worker_cls(config, engine_id, layout.config)
         worker.use_mla = use_mla
         worker.register_kv_caches(layout.caches)
+    if not coalesce:
+        standard_reads(worker)
     return worker
+
+
+def standard_reads(worker: NixlPullConnectorWorker) -> None:
+    """Keep ``worker`` on the standard read: one descriptor per region.
+
+    The fork reads adjacent regions as one wherever its guards allow, with no
+    switch. This skips the pull worker's hook that plans those reads at the
+    handshake (``_remote_descs_prepared``); on stock, which has no such hook,
+    it changes nothing.
+    """
+    worker._remote_descs_prepared = lambda *args, **kwargs: None  # type: ignore[method-assign]

@@ -209,15 +209,15 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     (
         "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
-        "if not plan.changes_reads:",
-        "if True:",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
+        "if plan.changes_reads:",
+        "if False:",
     ),
     (
         "v1/kv_connector/unit/test_nixl_region_coalescing.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
-        "and np.array_equal(remote_offsets, remote_offsets[head_pos])",
-        "and True",
+        "elif last.remote_base + last.length != r.remote_base:",
+        "elif False:",
     ),
 ]
 

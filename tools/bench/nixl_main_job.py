@@ -37,7 +37,8 @@ two levers alone (``ordered``: ordered transfers on the stock pool's lists;
 - pool: whose block lists are read: ``queue`` (stock ``BlockPool``) or
   ``sorted`` (0002, ``BlockPool.sort_new_blocks``).
 - staging: ``per-layer`` (stock host buffers) or ``mirrored`` (0003).
-- read: ``standard`` or ``coalesced`` (0004, ``VLLM_NIXL_COALESCE_REGIONS``).
+- read: ``standard`` or ``coalesced`` (0004; the fork coalesces wherever it
+  can, ``standard`` skips the decoder's planning hook).
 
 Stock is emulated in this process (see ``STOCK_EMULATION``); the real-stock
 oracle, a pristine 0.33.0 tree, runs in the test suite.
@@ -192,9 +193,9 @@ STOCK_EMULATION = (
     "(policy queue; sorted: True); per-layer staging = "
     "NixlBaseConnectorWorker._mirrors_host_xfer_buffers returning False while "
     "the worker is built (mirrored: kv_connector_extra_config "
-    "mirror_host_buffers=true); standard read = VLLM_NIXL_COALESCE_REGIONS=0 when the "
-    "decoder is built. The real-stock oracle (pristine 0.33.0) runs in the test "
-    "suite."
+    "mirror_host_buffers=true); standard read = the decoder's coalescing hook "
+    "(_remote_descs_prepared) skipped. The real-stock oracle (pristine 0.33.0) "
+    "runs in the test suite."
 )
 DEFINITIONS = {
     "registered descs": "regions x blocks of the KV memory one side registers "

@@ -2,14 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Geometry-only tests of coalesced NIXL reads (no torch, no NIXL)."""
 
-import random
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.region_coalescing import (
-    DescIdMap,
     Guard,
     RegionRead,
     coalesce_rows,
@@ -33,14 +31,10 @@ def region(
         local_base=local,
         remote_base=remote,
         length=length,
-        local_stride=STRIDE,
-        remote_stride=STRIDE,
-        local_num_blocks=8,
-        remote_num_blocks=8,
-        local_memory=(0, "DRAM", 0),
-        remote_memory=("DRAM", 0),
-        local_group=0,
-        remote_group=0,
+        strides=(STRIDE, STRIDE),
+        num_blocks=(8, 8),
+        memory=("DRAM", 0, "DRAM", 0),
+        groups=(0, 0),
     )
     values.update(kwargs)
     return RegionRead(**values)  # type: ignore[arg-type]
@@ -78,9 +72,13 @@ def test_a_different_remote_order_splits_the_run():
     plan = plan_coalesced_reads(regions)
     assert plan.runs == ((0, 1), (2,), (3,))
     assert dict(plan.excluded) == {
-        "layers.2": Guard.REMOTE_ADJACENCY,
-        "layers.3": Guard.REMOTE_ADJACENCY,
+        "layers.2": Guard.PEER_NOT_ADJACENT,
+        "layers.3": Guard.PEER_NOT_ADJACENT,
     }
+    assert plan.summary() == (
+        "4 regions read as 3 [not adjacent in the same order on the prefiller: "
+        "2 (layers.2, layers.3)]"
+    )
 
 
 def test_reversed_remote_order_coalesces_nothing():
@@ -88,17 +86,21 @@ def test_reversed_remote_order_coalesces_nothing():
     plan = plan_coalesced_reads(regions)
     assert not plan.changes_reads
     assert len(plan.runs) == 4
+    assert {guard for _, guard in plan.excluded} == {
+        Guard.NOT_ADJACENT,
+        Guard.PEER_NOT_ADJACENT,
+    }
 
 
 @pytest.mark.parametrize(
     ("change", "guard"),
     [
-        (dict(local_memory=(1, "DRAM", 0)), Guard.MEMORY),
-        (dict(remote_memory=("VRAM", 0)), Guard.MEMORY),
-        (dict(local_group=1), Guard.TRANSFER_GROUP),
-        (dict(remote_group=1), Guard.TRANSFER_GROUP),
-        (dict(local_stride=2 * STRIDE), Guard.STRIDE),
-        (dict(remote_num_blocks=9), Guard.BLOCK_COUNT),
+        (dict(memory=("VRAM", 0, "DRAM", 0)), Guard.MEMORY_DIFFERS),
+        (dict(memory=("DRAM", 0, "VRAM", 0)), Guard.MEMORY_DIFFERS),
+        (dict(groups=(1, 0)), Guard.GROUPS_DIFFER),
+        (dict(groups=(0, 1)), Guard.GROUPS_DIFFER),
+        (dict(strides=(2 * STRIDE, STRIDE)), Guard.STRIDES_DIFFER),
+        (dict(num_blocks=(8, 9)), Guard.BLOCK_COUNTS_DIFFER),
     ],
 )
 def test_pair_guards_keep_regions_apart(change, guard):
@@ -109,22 +111,22 @@ def test_pair_guards_keep_regions_apart(change, guard):
     assert dict(plan.excluded)["layers.1"] == guard
 
 
-def test_region_guards_and_worker_guards():
-    regions = row(3)
-    regions[1] = replace(regions[1], guard=Guard.CACHE_SPEC)
+def test_a_guarded_region_splits_the_run_around_it():
+    regions = row(5)
+    regions[2] = replace(regions[2], guard=Guard.NOT_REPLICATED_MLA)
     plan = plan_coalesced_reads(regions)
-    assert plan.runs == ((0,), (1,), (2,))
-    assert dict(plan.excluded)["layers.1"] == Guard.CACHE_SPEC
-    off = plan_coalesced_reads(row(3), Guard.BLOCK_SIZE)
-    assert off.runs == ((0,), (1,), (2,))
-    assert off.summary() == f"off ({Guard.BLOCK_SIZE.value})"
+    assert plan.runs == ((0, 1), (2,), (3, 4))
+    assert plan.excluded == (("layers.2", Guard.NOT_REPLICATED_MLA),)
+    assert plan.summary() == (
+        "5 regions read as 3 [not a replicated MLA region: 1 (layers.2)]"
+    )
 
 
 def test_run_never_exceeds_a_block_stride():
     regions = [region(i, 400 * i, 9_000 + 400 * i, length=400) for i in range(3)]
     plan = plan_coalesced_reads(regions)
     assert plan.runs == ((0, 1), (2,))
-    assert dict(plan.excluded)["layers.2"] == Guard.SPAN_LENGTH
+    assert dict(plan.excluded)["layers.2"] == Guard.RUN_EXCEEDS_STRIDE
 
 
 def test_aliased_groups_pick_their_own_neighbour():
@@ -132,130 +134,51 @@ def test_aliased_groups_pick_their_own_neighbour():
     # group 0's do. Each group's pages form their own run.
     group0 = [region(i, 100 * i, 5_000 + 100 * i) for i in range(3)]
     group1 = [
-        region(3 + i, 150 * i, 5_000 + 150 * i, 150, local_group=1, remote_group=1)
-        for i in range(2)
+        region(3 + i, 150 * i, 5_000 + 150 * i, 150, groups=(1, 1)) for i in range(2)
     ]
     plan = plan_coalesced_reads(group0 + group1)
     assert plan.runs == ((0, 1, 2), (3, 4))
 
 
 def test_coalesce_rows_widens_the_first_row():
-    rows = [[1000 + 100 * i, 100, 0, STRIDE, 8] for i in range(3)]
-    assert coalesce_rows(rows, [(0, 1), (2,)]) == [
-        [1000, 200, 0, STRIDE, 8],
-        [1200, 100, 0, STRIDE, 8],
+    rows = [[1000 + 100 * i, 100, 3, STRIDE, 8] for i in range(3)]
+    coalesced = coalesce_rows(rows, [(0, 1), (2,)])
+    assert coalesced.dtype == np.uint64
+    assert coalesced.tolist() == [
+        [1000, 200, 3, STRIDE, 8],
+        [1200, 100, 3, STRIDE, 8],
     ]
+    # A run lists its regions in address order, not region order.
+    rows = [rows[2], rows[0], rows[1]]
+    assert coalesce_rows(rows, [(1, 2, 0)]).tolist() == [[1000, 300, 3, STRIDE, 8]]
 
 
-def _bytes(rows, ids):
-    """Byte ranges ``(start, end)`` of descriptor ids over strided rows."""
-    starts = np.cumsum([0] + [r[4] for r in rows])
-    out = []
-    for i in ids:
-        r = int(np.searchsorted(starts, i, side="right")) - 1
-        addr, length, _, stride, _ = rows[r]
-        out.append((addr + (i - starts[r]) * stride, length))
-    return out
-
-
-def _expand(pairs):
-    """Every ``(local byte, remote byte)`` pair a list of descriptor pairs moves."""
-    moved: set[tuple[int, int]] = set()
-    for (la, n), (ra, m) in pairs:
-        assert n == m
-        moved.update((la + k, ra + k) for k in range(n))
-    return moved
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_mapped_ids_move_exactly_the_standard_bytes(seed):
-    rng = random.Random(seed)
-    num_regions = rng.randint(2, 7)
-    local_blocks, remote_blocks = rng.randint(4, 9), rng.randint(4, 9)
-    page = 7
-    slots = list(range(num_regions))
-    rng.shuffle(slots)
-    remote_slots = slots if rng.random() < 0.5 else rng.sample(slots, num_regions)
-    groups = [rng.randint(0, 1) for _ in range(num_regions)]
-    stride = page * num_regions + 3
+@pytest.mark.parametrize("seed", range(10))
+def test_runs_break_where_the_prefiller_order_breaks(seed):
+    # Pages of one row in a random order on each side: the decoder's pages,
+    # in address order, join their predecessor exactly when the prefiller
+    # holds the same predecessor right before them.
+    rng = np.random.default_rng(seed)
+    num_pages = int(rng.integers(2, 12))
+    local_slots, remote_slots = rng.permutation(num_pages), rng.permutation(num_pages)
+    stride = 100 * num_pages
     regions = [
         region(
             i,
-            page * slots[i],
-            50_000 + page * remote_slots[i],
-            page,
-            local_stride=stride,
-            remote_stride=stride,
-            local_num_blocks=local_blocks,
-            remote_num_blocks=remote_blocks,
-            local_group=groups[i],
-            remote_group=groups[i],
+            100 * int(local_slots[i]),
+            10_000 + 100 * int(remote_slots[i]),
+            strides=(stride, stride),
         )
-        for i in range(num_regions)
+        for i in range(num_pages)
     ]
+    by_address = sorted(range(num_pages), key=lambda i: local_slots[i])
+    expected = [[by_address[0]]]
+    for prev, page in zip(by_address, by_address[1:]):
+        if remote_slots[page] == remote_slots[prev] + 1:
+            expected[-1].append(page)
+        else:
+            expected.append([page])
     plan = plan_coalesced_reads(regions)
-    local_rows = [[r.local_base, page, 0, stride, local_blocks] for r in regions]
-    remote_rows = [[r.remote_base, page, 0, stride, remote_blocks] for r in regions]
-    # The standard read: each group's blocks over each region of that group.
-    group_blocks = {
-        g: (rng.sample(range(local_blocks), 3), rng.sample(range(remote_blocks), 3))
-        for g in (0, 1)
-    }
-    local_ids, remote_ids = [], []
-    for i in range(num_regions):
-        local, remote = group_blocks[groups[i]]
-        local_ids += [i * local_blocks + b for b in local]
-        remote_ids += [i * remote_blocks + b for b in remote]
-    mapped = DescIdMap.build(
-        plan.runs, [local_blocks] * num_regions, [remote_blocks] * num_regions
-    )(np.array(local_ids), np.array(remote_ids))
-    assert mapped is not None
-    standard = _expand(
-        zip(_bytes(local_rows, local_ids), _bytes(remote_rows, remote_ids))
-    )
-    coalesced = _expand(
-        zip(
-            _bytes(coalesce_rows(local_rows, plan.runs), mapped[0]),
-            _bytes(coalesce_rows(remote_rows, plan.runs), mapped[1]),
-        )
-    )
-    assert coalesced == standard
-    assert len(mapped[0]) == len(local_ids) // num_regions * len(plan.runs)
-
-
-def test_ids_that_do_not_give_a_run_the_same_blocks_are_not_mapped():
-    plan = plan_coalesced_reads(row(2))
-    id_map = DescIdMap.build(plan.runs, [8, 8], [8, 8])
-    # Region 0 reads two blocks, region 1 only one: keep the standard read.
-    assert id_map(np.array([0, 1, 8]), np.array([0, 1, 8])) is None
-    # As many blocks, but not the same ones (local 1 vs 2; remote 4 vs 5).
-    assert id_map(np.array([0, 1, 8, 10]), np.array([4, 5, 12, 13])) is None
-    assert id_map(np.array([0, 1, 8, 9]), np.array([4, 5, 13, 12])) is None
-    # Local region 1 paired with remote region 0.
-    assert id_map(np.array([0, 8]), np.array([8, 0])) is None
-    local, remote = id_map(np.array([3, 4, 11, 12]), np.array([5, 6, 13, 14]))
-    assert local.tolist() == [3, 4] and remote.tolist() == [5, 6]
-
-
-@pytest.mark.parametrize(
-    ("value", "enabled"),
-    [(None, True), ("1", True), ("true", True), ("True", True), ("0", False)]
-    + [("false", False), ("FALSE", False)],
-)
-def test_switch_accepts_numbers_and_booleans(monkeypatch, value, enabled):
-    from vllm import envs
-
-    if value is None:
-        monkeypatch.delenv("VLLM_NIXL_COALESCE_REGIONS", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_NIXL_COALESCE_REGIONS", value)
-    assert envs.environment_variables["VLLM_NIXL_COALESCE_REGIONS"]() is enabled
-
-
-@pytest.mark.parametrize("value", ["yes", "on", "2", ""])
-def test_switch_rejects_other_values(monkeypatch, value):
-    from vllm import envs
-
-    monkeypatch.setenv("VLLM_NIXL_COALESCE_REGIONS", value)
-    with pytest.raises(ValueError, match=r"VLLM_NIXL_COALESCE_REGIONS.*'1'.*'0'"):
-        envs.environment_variables["VLLM_NIXL_COALESCE_REGIONS"]()
+    assert plan.runs == tuple(sorted(map(tuple, expected), key=min))
+    alone = {regions[run[0]].name for run in expected if len(run) == 1}
+    assert {name for name, _ in plan.excluded} == alone
