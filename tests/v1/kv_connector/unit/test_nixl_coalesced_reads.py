@@ -21,8 +21,6 @@ from vllm.v1.kv_cache_interface import (
 from .nixl_dram_workers import BLOCK_SIZE, handshake, make_worker, pull
 from .nixl_dram_workers import require_nixl as nixl_cls
 
-pytestmark = pytest.mark.cpu_test
-
 PAGE, NUM_BLOCKS = 128, 40
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
 LOCAL, REMOTE = [9, 8, 7, 3, 12], [20, 19, 18, 30, 2]
