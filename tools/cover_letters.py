@@ -9,8 +9,12 @@ benchmark or the test command wrote, followed by where it came from (file,
 command, time written). A source that is missing becomes a line saying which
 command makes it, and the export names it.
 
-``tools/fork.py export`` calls :func:`write_cover_letters`; ``python3
-tools/cover_letters.py descriptors`` prints one table the same way. Stdlib only.
+``tools/fork.py export`` calls :func:`missing_sources` first (it stops when a
+table would be a placeholder, unless ``--draft``), then
+:func:`write_cover_letters`; ``python3 tools/cover_letters.py main-job`` prints
+one table the same way, ``python3 tools/cover_letters.py readme`` re-renders
+the README's tables. Stdlib only; imports ``tools/manifest.py`` and
+``tools/bench/report.py``, never ``tools/fork.py``.
 """
 
 from __future__ import annotations
@@ -207,15 +211,15 @@ SOURCES: dict[str, Source] = {
 
 def render_patch_sizes() -> list[str]:
     """Every patch's lines per kind, counted from the repository as it is."""
-    import fork  # tools/fork.py
+    import manifest  # tools/manifest.py
 
     body = []
-    for index, patch in enumerate(fork.load_manifest().patches, start=1):
-        counts = fork.patch_lines(patch)
+    for index, patch in enumerate(manifest.load_manifest().patches, start=1):
+        counts = manifest.patch_lines(patch)
         cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
         body.append((f"{index:04d}", patch.name, *cells))
     return [
-        *_table(("#", "patch", *fork.KINDS), body),
+        *_table(("#", "patch", *manifest.KINDS), body),
         "",
         "_Counted by `python3 tools/fork.py summary` (new files and hunks)._",
     ]
@@ -248,10 +252,10 @@ def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | No
 
 def render_lines(name: str) -> list[str]:
     """The patch's added/removed lines per kind (``fork.py summary``)."""
-    import fork  # tools/fork.py
+    import manifest  # tools/manifest.py
 
-    (patch,) = [p for p in fork.load_manifest().patches if p.name == name]
-    counts = fork.patch_lines(patch)
+    (patch,) = [p for p in manifest.load_manifest().patches if p.name == name]
+    counts = manifest.patch_lines(patch)
     return [
         "Size (new files and hunks, as `python3 tools/fork.py summary` counts): "
         + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
@@ -278,6 +282,21 @@ def render_cover(text: str, name: str | None = None) -> tuple[str, list[str]]:
     return "\n".join(out).rstrip("\n") + "\n", missing
 
 
+def missing_sources(names: Sequence[str]) -> list[str]:
+    """Commands whose output the named patches' cover letters lack.
+
+    A table whose JSON is missing, or is in an older format, would be a
+    placeholder in the description; ``fork.py export`` stops on any.
+    """
+    missing: list[str] = []
+    for name in names:
+        template = COVERS / f"{name}.md"
+        if template.exists():
+            _, lacking = render_cover(template.read_text(encoding="utf-8"), name)
+            missing += [c for c in lacking if c not in missing]
+    return missing
+
+
 def write_cover_letters(
     patches: Sequence[tuple[str, str, Path]], out_dir: Path
 ) -> tuple[list[Path], list[str]]:
@@ -288,7 +307,8 @@ def write_cover_letters(
         out_dir: Directory for the ``*.md`` files (created).
 
     Returns:
-        The files written and the commands whose output was missing.
+        The files written and the commands whose output was missing (their
+        tables are placeholders: ``fork.py export --draft`` only).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.md"):

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The series manifest (``series/manifest.toml``): parse, write, count lines.
+
+``tools/fork.py`` (build, save, export, summary), ``tools/cover_letters.py``
+(patch sizes), ``tools/run_tests.py`` and the main job
+(``tools/bench/nixl_main_job.py``: row labels) read the series through this
+module, which imports nothing of theirs. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_VERSION = "0.33.0"
+BASE_TAG = f"v{VLLM_VERSION}"
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "series" / "manifest.toml"
+
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+MANIFEST_HEADER = """\
+# vLLM NIXL patch series on top of the vLLM {version} release sdist.
+#
+# One [[patch]] table per commit, in order. Keys:
+#   name     slug, unique; names the diff file series/diffs/NNNN-<name>.diff
+#   subject  one-line upstream-style commit title
+#   body     commit message body (why the change is needed)
+#   files    new files the patch adds, kept at their upstream path in the repo
+#   diff     optional unified git diff against upstream files
+# No identity here: `export` signs off as `git config user.name/user.email`.
+# `python3 tools/fork.py save` rewrites this file from build/vllm.
+
+"""
+
+
+class ForkError(Exception):
+    """A failure reported to the user as one line, exit status 1."""
+
+
+@dataclass
+class Patch:
+    """One [[patch]] table of the manifest."""
+
+    name: str
+    subject: str = ""
+    body: str = ""
+    files: list[str] = field(default_factory=list)
+    diff: str | None = None
+
+
+@dataclass
+class Manifest:
+    """The parsed series/manifest.toml."""
+
+    patches: list[Patch]
+
+
+def _check_relpath(where: str, path: str) -> None:
+    parts = Path(path).parts
+    if not path or Path(path).is_absolute() or ".." in parts or "\\" in path:
+        raise ForkError(f"{where}: bad repo-relative path {path!r}")
+
+
+def load_manifest(require_subject: bool = True) -> Manifest:
+    """Parse and validate the manifest."""
+    rel = MANIFEST.relative_to(ROOT)
+    try:
+        data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ForkError(f"{rel} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ForkError(f"{rel}: invalid TOML: {exc}") from None
+    if "signed_off_by" in data:
+        raise ForkError(
+            f"{rel}: remove signed_off_by; patches are signed off by whoever "
+            "exports them (git config user.name/user.email)"
+        )
+    unknown = set(data) - {"patch"}
+    if unknown:
+        raise ForkError(f"{rel}: unknown top-level keys {sorted(unknown)}")
+    raw = data.get("patch", [])
+    if not isinstance(raw, list):
+        raise ForkError(f"{rel}: 'patch' must be an array of tables")
+    patches: list[Patch] = []
+    seen: set[str] = set()
+    for i, table in enumerate(raw, start=1):
+        where = f"{rel}: patch {i}"
+        if not isinstance(table, dict):
+            raise ForkError(f"{where}: not a table")
+        unknown = set(table) - {"name", "subject", "body", "files", "diff"}
+        if unknown:
+            raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
+        name = table.get("name")
+        if not isinstance(name, str) or not SLUG_RE.match(name):
+            raise ForkError(f"{where}: 'name' must be a slug like 'coalesce-regions'")
+        if name in seen:
+            raise ForkError(f"{where}: duplicate name {name!r}")
+        seen.add(name)
+        subject = table.get("subject", "")
+        body = table.get("body", "")
+        files = table.get("files", [])
+        diff = table.get("diff")
+        if not isinstance(subject, str) or "\n" in subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' must be one line")
+        if require_subject and not subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' is missing")
+        if not isinstance(body, str):
+            raise ForkError(f"{where} ({name}): 'body' must be a string")
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ForkError(f"{where} ({name}): 'files' must be a list of paths")
+        for f in files:
+            _check_relpath(f"{where} ({name})", f)
+        if diff is not None:
+            if not isinstance(diff, str):
+                raise ForkError(f"{where} ({name}): 'diff' must be a path")
+            _check_relpath(f"{where} ({name})", diff)
+        patches.append(
+            Patch(name, subject.strip(), body.strip("\n"), list(files), diff)
+        )
+    return Manifest(patches)
+
+
+def _toml_str(value: str) -> str:
+    # A JSON string literal is a valid TOML basic string.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _toml_body(value: str) -> str:
+    literal_ok = "'''" not in value and not any(
+        ord(c) < 32 and c not in "\t\n" for c in value
+    )
+    if not value:
+        return '""'
+    if literal_ok and "\n" in value:
+        return f"'''\n{value}\n'''"
+    return _toml_str(value)
+
+
+def dump_manifest(manifest: Manifest) -> str:
+    """Serialize the manifest as TOML (round-trips through load_manifest)."""
+    out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
+    for p in manifest.patches:
+        out.append("\n[[patch]]\n")
+        out.append(f"name = {_toml_str(p.name)}\n")
+        out.append(f"subject = {_toml_str(p.subject)}\n")
+        out.append(f"body = {_toml_body(p.body)}\n")
+        if p.files:
+            items = "".join(f"    {_toml_str(f)},\n" for f in p.files)
+            out.append(f"files = [\n{items}]\n")
+        else:
+            out.append("files = []\n")
+        if p.diff:
+            out.append(f"diff = {_toml_str(p.diff)}\n")
+    return "".join(out)
+
+
+def _kind(path: str) -> str:
+    """What a file of the series is, for the summary's line counts."""
+    if path.startswith("tests/"):
+        return "tests"
+    if path.startswith("docs/") or path.endswith(".md"):
+        return "docs"
+    if path.startswith((".buildkite/", "docker/")):
+        return "ci"
+    return "code"
+
+
+KINDS = ("code", "docs", "tests", "ci")
+
+
+def patch_lines(patch: Patch) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per kind: its new files and its diff."""
+    counts = dict.fromkeys(KINDS, (0, 0))
+
+    def add(path: str, plus: int, minus: int) -> None:
+        old = counts[_kind(path)]
+        counts[_kind(path)] = (old[0] + plus, old[1] + minus)
+
+    for path in patch.files:
+        text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
+        add(path, len(text.splitlines()), 0)
+    if patch.diff and (ROOT / patch.diff).is_file():
+        path = ""
+        for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
+            if line.startswith("diff --git "):
+                path = line.split(" b/", 1)[1]
+            elif line.startswith("+") and not line.startswith("+++ "):
+                add(path, 1, 0)
+            elif line.startswith("-") and not line.startswith("--- "):
+                add(path, 0, 1)
+    return counts
