@@ -121,9 +121,9 @@ def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
         data = dict(
             data,
             scenarios=[s for s in data["scenarios"] if s["key"] in keys],
-            variants=[v for v in data["variants"] if v["scenario"] in keys],
+            rows=[r for r in data["rows"] if r["scenario"] in keys],
         )
-    return [data["setup"], "", data["verification"]["text"], "",
+    return [data["setup"], "", data["rig"], "", data["verification"]["text"], "",
             *report.render_tables(data)]  # fmt: skip
 
 

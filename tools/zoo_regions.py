@@ -90,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     # The main job's filter: log lines every CPU-only run prints are hidden
     # and counted, any other line is shown once.
     sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-    from nixl_main_job import NOISE, _filter_library_handlers, _hide_expected_noise
+    from job_noise import NOISE, filter_library_handlers, hide_expected_noise
 
-    _hide_expected_noise()
+    hide_expected_noise()
     import checks.layout_zoo as zoo
 
-    _filter_library_handlers()
+    filter_library_handlers()
 
     rows = []
     for p_name, d_name in PAIRS:

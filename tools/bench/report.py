@@ -5,9 +5,21 @@
 (schema in its module docstring) and prints ``render_text`` of what it wrote.
 ``render_markdown(json_path)`` gives the same figures as Markdown tables for
 the README and the PR descriptions, naming the JSON file and when it was
-written. Nothing here measures anything.
+written; ``tools/cover_letters.py`` uses ``render_tables``. Nothing here
+measures anything. The tables:
 
-    python tools/bench/report.py [build/bench/nixl_descriptors.json] [--text]
+- descriptors: per row (scenario, pairing, variant) the layout, regions,
+  registered descriptors, descriptors per READ against the list floor;
+- time (measured): done per READ against the memmove and the NIXL floor,
+  vLLM's own share (done - NIXL floor), staging copies, cold READ, ratios to
+  the row group's stock row;
+- PROJECTION (not measured): descriptors per READ converted to post time with
+  the per-descriptor costs upstream published for GPUs, with the sources;
+- spread (``--repeat``, or several JSON files): every done ratio vs stock per
+  pass or run, and how far they are apart.
+
+    python tools/bench/report.py [JSON] [--text]
+    python tools/bench/report.py --spread RUN1.json RUN2.json RUN3.json
 """
 
 from __future__ import annotations
@@ -21,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "build/bench/nixl_descriptors.json"
-SCHEMA = 3
+SCHEMA = 4
+SPREAD_BOUND = 0.10
 
 
 def load(json_path: str | Path) -> dict[str, Any]:
@@ -55,26 +68,28 @@ def _ratio(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}x"
 
 
-def _trio(stats: dict[str, Any] | None, fmt: Any = _num) -> str:
+def _trio(stats: dict[str, Any] | None, fmt: Any = _num, keys=("p50", "p95", "p99")):
     if not stats:
         return "-"
-    return " / ".join(fmt(stats[k]) for k in ("p50", "p95", "p99"))
+    return " / ".join(fmt(stats[k]) for k in keys)
 
 
-def _side(reg: dict[str, Any]) -> str:
-    return f"{reg['descriptors']:,} ({reg['regions']})"
+def _side(reg: dict[str, Any] | None) -> str:
+    return f"{reg['descriptors']:,} ({reg['regions']})" if reg else "-"
 
 
-def _regions(v: dict[str, Any]) -> str:
-    d = v["registered"]["decoder"]["regions"]
-    read = v["read_list"]["regions"]
-    return f"{v['registered']['prefiller']['regions']} / {d}" + (
+def _regions(r: dict[str, Any]) -> str:
+    if not r.get("registered"):
+        return "-"
+    d = r["registered"]["decoder"]["regions"]
+    read = (r.get("read_list") or {}).get("regions", d)
+    return f"{r['registered']['prefiller']['regions']} / {d}" + (
         f" -> {read}" if read != d else ""
     )
 
 
-def _staging(v: dict[str, Any]) -> str:
-    s = v["staging_ms"]
+def _staging(r: dict[str, Any]) -> str:
+    s = r["staging_ms"]
     parts = []
     for key in ("d2h", "h2d"):
         if s.get(key):
@@ -88,14 +103,15 @@ def _scenario(s: dict[str, Any]) -> str:
 
 
 def _rows(payload: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(scenario, variant) in the scenarios' order."""
+    """(scenario, row) in the scenarios' order."""
     by_key = {s["key"]: s for s in payload["scenarios"]}
-    return [(by_key[v["scenario"]], v) for v in payload["variants"]]
+    return [(by_key[r["scenario"]], r) for r in payload["rows"]]
 
 
 DESC_HEAD = (
     "scenario",
     "variant",
+    "layout",
     "regions P / D",
     "registered P (regions)",
     "registered D (regions)",
@@ -107,40 +123,151 @@ TIME_HEAD = (
     "scenario",
     "variant",
     "done ms p50 / p95 / p99",
-    "time floor ms p50 / p95 / p99",
+    "memmove floor ms p50 / p95",
+    "NIXL floor ms p50 / p95",
     "done/floor",
+    "done/NIXL floor",
+    "vLLM ms p50 / p95",
     "staging ms p50 / p95",
     "cold ms",
     "descs, done p50 vs stock",
 )
+PROJ_HEAD = (
+    "scenario",
+    "variant",
+    "descs/READ p50 / p95 (measured)",
+    "projected post ms p50",
+    "projected post ms p95",
+)
 
 
-def _desc_cells(s: dict[str, Any], v: dict[str, Any]) -> tuple[str, ...]:
+def _failed(r: dict[str, Any], width: int) -> tuple[str, ...]:
+    return (f"{r['status']}: {r.get('error', '')}", *(["-"] * (width - 1)))
+
+
+def _desc_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
+    head = (_scenario(s), r["label"], r["switches"]["layout"] or "-")
+    if r["status"] != "ok":
+        cells = (
+            _regions(r),
+            _side((r.get("registered") or {}).get("prefiller")),
+            _side((r.get("registered") or {}).get("decoder")),
+        )
+        return (*head, *cells, f"{r['status']}: {r.get('error', '')}", "-", "-")
     return (
-        _scenario(s),
-        v["label"],
-        _regions(v),
-        _side(v["registered"]["prefiller"]),
-        _side(v["registered"]["decoder"]),
-        _trio(v["descs_per_read"]),
-        _trio(v["list_floor"]),
-        _ratio(v["descs_over_list_floor"]),
+        *head,
+        _regions(r),
+        _side(r["registered"]["prefiller"]),
+        _side(r["registered"]["decoder"]),
+        _trio(r["descs_per_read"]),
+        _trio(r["list_floor"]),
+        _ratio(r["descs_over_list_floor"]),
     )
 
 
-def _time_cells(s: dict[str, Any], v: dict[str, Any]) -> tuple[str, ...]:
-    cold = v["cold"]
-    vs = v["vs_stock"]
+def _time_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
+    head = (_scenario(s), r["label"])
+    if r["status"] != "ok":
+        return (*head, *_failed(r, len(TIME_HEAD) - 2))
+    vs = r.get("vs_stock") or {}
     return (
-        _scenario(s),
-        v["label"],
-        _trio(v["done_ms"], _ms),
-        _trio(v["time_floor_ms"], _ms),
-        _ratio(v["done_over_floor"]["p50"], 1),
-        _staging(v),
-        _ms(cold["ms"]) + ("" if cold["fresh_agents"] else "*"),
-        f"{_ratio(vs['descs_p50'], 3)}, {_ratio(vs['done_p50'], 3)}",
+        *head,
+        _trio(r["done_ms"], _ms),
+        _trio(r["time_floor_ms"], _ms, ("p50", "p95")),
+        _trio(r["nixl_floor_ms"], _ms, ("p50", "p95")),
+        _ratio(r["done_over_floor"]["p50"], 1),
+        _ratio(r["done_over_nixl_floor"]["p50"], 1),
+        _trio(r["vllm_ms"], _ms, ("p50", "p95")),
+        _staging(r),
+        _ms(r["cold"]["ms"]) + ("" if r["cold"]["fresh_agents"] else "*"),
+        f"{_ratio(vs.get('descs_p50'), 3)}, {_ratio(vs.get('done_p50'), 3)}",
     )
+
+
+def _proj_cells(
+    s: dict[str, Any], r: dict[str, Any], proj: dict[str, Any]
+) -> tuple[str, ...]:
+    head = (_scenario(s), r["label"])
+    if r["status"] != "ok":
+        return (*head, *_failed(r, len(PROJ_HEAD) - 2))
+    lo, hi = proj["us_per_desc"]["low"], proj["us_per_desc"]["high"]
+
+    def post(descs: float | None) -> str:
+        if descs is None:
+            return "n/a"
+        return f"{_ms(descs * lo / 1e3)} - {_ms(descs * hi / 1e3)}"
+
+    d = r["descs_per_read"]
+    return (*head, _trio(d, _num, ("p50", "p95")), post(d["p50"]), post(d["p95"]))
+
+
+def _proj_notes(payload: dict[str, Any]) -> list[str]:
+    proj = payload["projection"]
+    lo, hi = proj["us_per_desc"]["low"], proj["us_per_desc"]["high"]
+    lines = [
+        f"{proj['label']}: descs/READ x {lo:.2f} - {hi:.2f} us per descriptor "
+        "posted. Sources:"
+    ]
+    lines += [
+        f"    {src['ref']} ({src['url']}): {src['text']}" for src in proj["sources"]
+    ]
+    lines.append(f"    {proj['assumption']}")
+    return lines
+
+
+def spread_rows(payloads: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Done p50 vs stock per pass (one payload) or per run (several)."""
+    if len(payloads) == 1:
+        runs = [
+            {
+                (r["scenario"], r["pairing"], r["variant"]): p.get("vs_stock_done_p50")
+                for r in payloads[0]["rows"]
+                if r["status"] == "ok"
+                for p in r["passes"]
+                if p["pass"] == n
+            }
+            for n in range(payloads[0]["config"]["repeat"])
+        ]
+    else:
+        runs = [
+            {
+                (r["scenario"], r["pairing"], r["variant"]): (
+                    r.get("vs_stock") or {}
+                ).get("done_p50")
+                for r in p["rows"]
+                if r["status"] == "ok"
+            }
+            for p in payloads
+        ]
+    scen = {s["key"]: s for s in payloads[0]["scenarios"]}
+    out = []
+    for r in payloads[0]["rows"]:
+        key = (r["scenario"], r["pairing"], r["variant"])
+        if r["status"] != "ok" or r["variant"] == "stock":
+            continue
+        values = [run.get(key) for run in runs]
+        good = [v for v in values if v is not None]
+        mid = sorted(good)[len(good) // 2] if good else None
+        far = max((abs(v / mid - 1) for v in good), default=None) if mid else None
+        out.append(
+            (
+                _scenario(scen[r["scenario"]]),
+                r["label"],
+                ", ".join(_ratio(v, 3) for v in values),
+                "n/a" if far is None else f"+-{100 * far:.1f}%",
+                "n/a" if far is None else ("yes" if far <= SPREAD_BOUND else "NO"),
+            )
+        )
+    return out
+
+
+SPREAD_HEAD = (
+    "scenario",
+    "variant",
+    "done p50 vs stock, per run",
+    "largest distance from their median",
+    "within +-10%",
+)
 
 
 def _fixed(rows: Sequence[Sequence[str]], left: set[int]) -> list[str]:
@@ -166,7 +293,9 @@ def _markdown(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _legend(payload: dict[str, Any]) -> list[str]:
+    """Scenario descriptions, then each row's levers (indented)."""
     lines = []
+    facts = payload["facts"]
     for s in payload["scenarios"]:
         tag = (
             " (vLLM 0.33.0's allocator never builds this layout)"
@@ -174,19 +303,57 @@ def _legend(payload: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(f"{_scenario(s)}: {s['label']}: {s['description']}{tag}.")
-        for v in (v for v in payload["variants"] if v["scenario"] == s["key"]):
-            sw = v["switches"]
+        for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
+            sw = r["switches"]
+            layout = r["layout"] or {}
+            res = facts.get(r["variant"], {}).get("resolution")
+            resolved = (
+                f" (resolved: supported {'/'.join(res['supported'][:3])}..., "
+                f"connector {res['connector']})"
+                if res and "{" in s["prefiller"]
+                else ""
+            )
             lines.append(
-                f"    {v['label']}: {v['layout']['prefiller']} -> "
-                f"{v['layout']['decoder']}; order {sw['order']}, pool {sw['pool']}, "
-                f"read {sw['read']}, staging {sw['staging']}"
+                f"    {r['label']}: {layout.get('prefiller', '?')} -> "
+                f"{layout.get('decoder', '?')}{resolved}; order {sw['order']}, pool "
+                f"{sw['pool']}, read {sw['read']}, staging {sw['staging']}"
             )
     return lines
 
 
-def _definitions(payload: dict[str, Any]) -> list[str]:
-    d = payload["definitions"]
-    return [f"{name}: {text}" for name, text in d.items()]
+def _series_lines(payload: dict[str, Any]) -> list[str]:
+    series = payload["series"]
+    lines = [
+        "Variants (each its own worktree of build/vllm, "
+        f"series HEAD {series['head'][:12]}): "
+        + "; ".join(
+            f"{v['key']} = {v['tree']} @ {v['commit'][:12]}"
+            + (f" + {v['lever']}" if v["lever"] else "")
+            for v in series["variants"]
+        )
+        + "."
+    ]
+    if series["no_row"]:
+        lines.append(
+            "No row of their own (they change nothing under vllm/): "
+            + ", ".join(series["no_row"])
+            + "."
+        )
+    if series["unread_levers"]:
+        lines.append(
+            "Levers the series' tree does not read (no row): "
+            + ", ".join(series["unread_levers"])
+            + "."
+        )
+    return lines
+
+
+def _notes(payload: dict[str, Any]) -> list[str]:
+    return [
+        f"{r['scenario']}/{r['label']}: {note}"
+        for r in payload["rows"]
+        for note in r.get("notes", [])
+    ]
 
 
 def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
@@ -201,79 +368,72 @@ def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
     )
 
 
-def _notes(payload: dict[str, Any]) -> list[str]:
-    lines = []
-    for v in payload["variants"]:
-        for note in v["notes"]:
-            lines.append(f"{v['scenario']}/{v['key']}: {note}")
+def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
+    rows = _rows(payload)
+    proj = payload["projection"]
+    lines = [
+        "Descriptors (registered = regions x blocks per side; per READ: NIXL "
+        "telemetry descCount)",
+        "",
+    ]
+    lines += fmt([DESC_HEAD, *(_desc_cells(s, r) for s, r in rows)])
+    lines += ["", "Time, measured (warm READs; staging copies timed on their own)", ""]
+    lines += fmt([TIME_HEAD, *(_time_cells(s, r) for s, r in rows)])
+    lines += ["", f"{proj['label']}: post time on GPUs from published costs", ""]
+    lines += fmt([PROJ_HEAD, *(_proj_cells(s, r, proj) for s, r in rows)])
+    if payload["config"]["repeat"] > 1:
+        lines += ["", f"Spread over {payload['config']['repeat']} passes", ""]
+        lines += fmt([SPREAD_HEAD, *spread_rows([payload])])
     return lines
 
 
 def render_text(payload: dict[str, Any], json_path: str | Path | None = None) -> str:
     """The main job's report for a terminal (fixed-width tables)."""
-    rows = _rows(payload)
-    lines = [payload["setup"], payload["lists_summary"], payload["stock_emulation"]]
-    lines.append(payload["verification"]["text"])
-    lines.append("")
-    lines += _legend(payload)
-    lines.append("")
-    lines.append(
-        "Descriptors (registered = regions x blocks per side; per READ: NIXL "
-        "telemetry descCount)"
-    )
-    lines += _fixed([DESC_HEAD, *(_desc_cells(s, v) for s, v in rows)], {0, 1})
-    lines.append("")
-    lines.append("Time (warm READs; staging copies timed on their own)")
-    lines += _fixed([TIME_HEAD, *(_time_cells(s, v) for s, v in rows)], {0, 1})
-    lines.append("")
-    lines += _definitions(payload)
+    lines = [
+        payload["setup"],
+        payload["rig"],
+        payload["lists_summary"],
+        payload["verification"]["text"],
+        *_series_lines(payload),
+        "",
+    ]
+    lines += _legend(payload) + [""]
+    lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}))
+    lines += ["", *_proj_notes(payload)]
+    lines += [f"{name}: {text}" for name, text in payload["definitions"].items()]
     notes = _notes(payload)
     if notes:
-        lines.append("Notes:")
-        lines += [f"  {n}" for n in notes]
+        lines += ["Notes:", *(f"  {n}" for n in notes)]
     lines.append(_source(payload, json_path))
     return "\n".join(lines)
 
 
 def render_tables(payload: dict[str, Any]) -> list[str]:
-    """The descriptor and time tables and their definitions, as Markdown lines.
+    """The tables, sources and definitions as Markdown lines.
 
     For renderers that load the JSON themselves and add their own source
     line (``tools/cover_letters.py``'s ``SOURCES``).
     """
-    rows = _rows(payload)
-    lines = _markdown([DESC_HEAD, *(_desc_cells(s, v) for s, v in rows)])
-    lines.append("")
-    lines += _markdown([TIME_HEAD, *(_time_cells(s, v) for s, v in rows)])
+    lines = _tables(payload, _markdown)
     lines.append("")
     lines += [
         f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
-        for line in _legend(payload)
+        for line in [*_legend(payload), *_proj_notes(payload)]
     ]
-    lines += [f"- {line}" for line in _definitions(payload)]
+    lines += [f"- {name}: {text}" for name, text in payload["definitions"].items()]
+    lines += [f"- {line}" for line in _series_lines(payload)]
     return lines
 
 
 def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
-    """README / cover-letter tables of the main job, from its JSON.
-
-    Args:
-        json_path: ``nixl_descriptors.json`` written by the main job.
-
-    Returns:
-        Markdown: setup, the descriptor and time tables, the definitions and a
-        line naming the JSON file and when it was written.
-
-    """
+    """README / cover-letter tables of the main job, from its JSON."""
     payload = load(json_path)
     lines = [
         payload["setup"],
         "",
-        payload["lists_summary"]
-        + " "
-        + payload["stock_emulation"]
-        + " "
-        + payload["verification"]["text"],
+        " ".join(
+            (payload["rig"], payload["lists_summary"], payload["verification"]["text"])
+        ),
         "",
         *render_tables(payload),
         "",
@@ -286,7 +446,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
     parser.add_argument("--text", action="store_true", help="terminal tables")
+    parser.add_argument(
+        "--spread",
+        nargs="+",
+        metavar="JSON",
+        help="done ratios vs stock across these runs",
+    )
     args = parser.parse_args(argv)
+    if args.spread:
+        payloads = [load(p) for p in args.spread]
+        rows = spread_rows(payloads)
+        print("\n".join(_markdown([SPREAD_HEAD, *rows])))
+        return 0 if all(r[-1] != "NO" for r in rows) else 1
     if args.text:
         print(render_text(load(args.json), args.json))
     else:

@@ -1,0 +1,494 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rig inside one variant's process: that tree's workers, reading.
+
+``serve`` runs in a process forked by the driver (``job_rig.py``) before any
+vLLM module is imported; it puts the variant's worktree first on
+``sys.path``, so ``vllm`` (and the tree's ``tests`` helpers the layout zoo
+uses) are that tree's. It then answers the driver's commands over a pipe:
+
+- ``hello``: what the tree ships, by feature: ordered transfers
+  (``sort_block_pairs``), the block pool's order under a NixlConnector (a
+  real Scheduler of the tree binds one), coalesced reads
+  (``VLLM_NIXL_COALESCE_REGIONS``' default), whether it reads
+  ``mirror_host_buffers``.
+- ``resolve``: the layout the tree resolves by default for a model
+  (``resolve_kv_cache_layout`` with a NixlConnector config, the model's specs
+  and its backends' declared layouts).
+- ``lists``: the agentic replay through the tree's own block pools.
+- ``build`` / ``read`` / ``clean`` / ``teardown``: one P/D pair of pull
+  workers over zoo layouts (real registration and handshake), one READ
+  through the decoder's own read path (``_read_blocks_for_req``) with its
+  staging copies, its memmove floor and its byte checks.
+
+Between commands the driver keeps this process stopped (SIGSTOP), so its
+NIXL agents cost nothing while another variant reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import patch
+
+import numpy as np
+
+NUM_LAYERS = 78
+ZOO_SCALE = 4
+PAGE_TOKENS = 4
+NIXL_PACKAGE = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
+
+
+def _use_tree(tree: str) -> None:
+    """Put ``tree`` first on ``sys.path``, drop every other vLLM tree."""
+    if "vllm" in sys.modules:
+        raise RuntimeError("vllm was imported before the variant's tree was set")
+    keep = [
+        p for p in sys.path if not (Path(p or ".") / "vllm" / "__init__.py").exists()
+    ]
+    sys.path[:] = [tree, *keep]
+    os.environ.pop("VLLM_BLOCK_POOL_ALLOCATION_POLICY", None)
+    os.environ.pop("VLLM_NIXL_COALESCE_REGIONS", None)
+    os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+
+
+def _with_extra_config(layout: Any, extra: dict[str, Any]) -> Any:
+    """The layout with ``kv_connector_extra_config`` entries for its workers."""
+    if not extra:
+        return layout
+    configure = layout.configure
+
+    def configure_extra(config: Any) -> None:
+        if configure is not None:
+            configure(config)
+        config.kv_transfer_config.kv_connector_extra_config.update(extra)
+
+    return replace(layout, configure=configure_extra)
+
+
+class Side:
+    """One worker of the pair, its layout and whether it stages."""
+
+    def __init__(self, worker: Any, layout: Any, stages: bool) -> None:
+        self.worker, self.layout, self.stages = worker, layout, stages
+        self.agent = worker.nixl_wrapper.name
+        self.groups = len(worker.kv_cache_config.transfer_groups)
+
+    def registered(self) -> dict[str, int]:
+        rows = np.asarray(self.worker.src_blocks_data)
+        count = int(rows[:, 4].sum()) if rows.ndim == 2 and rows.shape[1] >= 5 else 0
+        return {"regions": int(self.worker.num_regions), "descriptors": count}
+
+    def staging(self) -> str:
+        if not self.stages:
+            return "none"
+        return "mirrored" if getattr(self.worker, "_staged_rows", None) else "per-layer"
+
+
+class Child:
+    """The variant's process state (see the module docstring)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.extra = dict(spec.get("extra_config") or {})
+        self.prefill: Side | None = None
+        self.decode: Side | None = None
+        self.transfers: list[Any] = []
+        self.used_pairs: set[str] = set()
+        # Device layouts kept for later phases (the driver names them), with
+        # the number of allocations they had before this phase's workers.
+        self.layouts: dict[tuple[str, str], Any] = {}
+        self.own_raws: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------ the tree
+
+    def hello(self, torch_threads: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        import vllm.envs as envs
+        from job_nixl import Copier, Recorder
+        from job_noise import filter_library_handlers
+        from vllm.distributed.nixl_utils import NixlWrapper
+
+        import checks.layout_zoo as zoo
+        import vllm
+        from checks.real_nixl import probe_real_nixl
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
+
+        filter_library_handlers()
+        reason = probe_real_nixl()
+        if reason is not None:
+            raise RuntimeError(f"real NIXL over UCX is unavailable here: {reason}")
+        self.zoo = zoo
+        self.recorder = Recorder()
+        self.recorder.install(NixlWrapper)
+        self.copier = Copier()
+        coalesce = "VLLM_NIXL_COALESCE_REGIONS" in envs.environment_variables and bool(
+            envs.VLLM_NIXL_COALESCE_REGIONS
+        )
+        self.coalesce = coalesce
+        nixl_dir = Path(self.spec["tree"]) / NIXL_PACKAGE
+        reads_mirror = any(
+            '"mirror_host_buffers"' in f.read_text() for f in nixl_dir.glob("*.py")
+        )
+        return {
+            "vllm": str(Path(vllm.__file__).parent.parent),
+            "import_s": time.perf_counter() - started,
+            "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+            "levers": {
+                "order": "ordered"
+                if hasattr(pull_worker, "sort_block_pairs")
+                else "stock",
+                "pool": {
+                    "P": self._pool_order("kv_producer"),
+                    "D": self._pool_order("kv_consumer"),
+                },
+                "read": "coalesced" if coalesce else "standard",
+                "reads_mirror_host_buffers": reads_mirror,
+            },
+        }
+
+    def _pool_order(self, role: str) -> str:
+        """The block pool's order a Scheduler of this tree sets for NIXL."""
+        from tests.v1.kv_connector.unit.utils import (
+            create_scheduler,
+            create_vllm_config,
+        )
+
+        config = create_vllm_config(block_size=64, kv_role=role)
+        scheduler = create_scheduler(config, num_blocks=64)
+        pool = scheduler.kv_cache_manager.block_pool
+        order = "sorted" if getattr(pool, "sort_new_blocks", False) else "queue"
+        getattr(scheduler, "shutdown", lambda: None)()
+        return order
+
+    def resolve(self, model: str, backends: list[str]) -> dict[str, Any]:
+        """The layout this tree resolves without a user setting (NIXL, MLA)."""
+        from tests.v1.kv_connector.unit.utils import create_vllm_config
+        from vllm.config.model import ModelConfig
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_kv_connector_cache_layout,
+        )
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+
+        classes = []
+        for path in backends:
+            module, _, name = path.partition(":")
+            classes.append(getattr(importlib.import_module(module), name))
+        supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
+        name = next(n for n in self.zoo.ZOO if n.startswith(f"{model}/"))
+        tiny = self.zoo.build_zoo_layout(
+            name,
+            num_blocks=16,
+            num_layers=NUM_LAYERS,
+            scale=ZOO_SCALE,
+            block_size=PAGE_TOKENS,
+        )
+        specs = []
+        for group in tiny.kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            specs += list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+        config = create_vllm_config(
+            block_size=PAGE_TOKENS,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(self.extra),
+        )
+        config.cache_config.kv_cache_layout = None
+        # The test config's model is OPT; the resolution asks whether the
+        # model uses MLA (GLM-5.3 and DeepSeek do), nothing else of it.
+        with patch.object(ModelConfig, "use_mla", property(lambda self: True)):
+            connector = get_kv_connector_cache_layout(config)
+            layout = resolve_kv_cache_layout(config, [supported], specs)
+        return {"supported": supported, "connector": connector, "resolved": layout.name}
+
+    def lists(self, args: dict[str, Any], p_order: str, d_order: str) -> dict:
+        """The replay through this tree's block pools (``job_lists``)."""
+        from job_lists import replay_block_lists
+
+        lists = replay_block_lists(SimpleNamespace(**args), p_order, d_order)
+        return {
+            "transfers": [
+                (t.rid, t.remote_ids, t.local_ids, t.prefill_ids, t.hit_blocks)
+                for t in lists.transfers
+            ],
+            "num_blocks": lists.num_blocks,
+            "source": lists.source,
+            "notes": lists.notes,
+        }
+
+    # ------------------------------------------------------------ the pair
+
+    def build(
+        self,
+        p_name: str,
+        d_name: str,
+        pairing: dict[str, Any],
+        recipe: str | None,
+        transfers: list[dict],
+        num_blocks: int,
+        seed: int,
+    ) -> dict[str, Any]:
+        """Build and connect the pair; report what it registered."""
+        from job_lists import Transfer
+
+        zoo = self.zoo
+        kwargs = dict(
+            num_blocks=num_blocks,
+            num_layers=NUM_LAYERS,
+            scale=ZOO_SCALE,
+            block_size=PAGE_TOKENS,
+        )
+        self.transfers = [Transfer(**t) for t in transfers]
+        p_layout = self._layout(p_name, "P", kwargs, seed)
+        d_layout = self._layout(d_name, "D", kwargs, seed)
+        staging = None
+        if recipe and (pairing["p_stages"] or pairing["d_stages"]):
+            staging = zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 16}))
+        sides = []
+        for role, layout, stages in (
+            ("P", p_layout, pairing["p_stages"]),
+            ("D", d_layout, pairing["d_stages"]),
+        ):
+            raws = len(layout.raws)
+            if stages:
+                groups = [g.layer_names for g in layout.kv_cache_config.kv_cache_groups]
+                if groups != [
+                    g.layer_names for g in staging.kv_cache_config.kv_cache_groups
+                ]:
+                    raise RuntimeError(f"{recipe} and {layout.name} differ in groups")
+                layout = replace(
+                    layout,
+                    name=staging.name,
+                    host_staging=True,
+                    configure=staging.configure,
+                )
+            worker = zoo.make_zoo_worker(
+                _with_extra_config(layout, self.extra),
+                engine_id=f"{self.spec['key']}-{role}",
+                coalesce=self.coalesce,
+            )
+            if stages and (not worker.use_host_buffer or worker.copy_blocks is None):
+                raise RuntimeError(f"{role}: the worker does not stage")
+            # Staging buffers are torch.empty: zero them (also makes them
+            # resident: no copy or READ pays first-touch page faults).
+            for raw in layout.raws[raws:]:
+                raw.zero_()
+            sides.append(Side(worker, layout, stages))
+        self.prefill, self.decode = sides
+        self.recorder.watch(self.decode.agent)
+        info: dict[str, Any] = {
+            "layout": {"prefiller": p_layout.name, "decoder": d_layout.name},
+            "staging": {"P": self.prefill.staging(), "D": self.decode.staging()},
+            "registered": {
+                "prefiller": self.prefill.registered(),
+                "decoder": self.decode.registered(),
+            },
+            "raws": {
+                "P": [raw.numel() for raw in self.prefill.layout.raws],
+                "D": [raw.numel() for raw in self.decode.layout.raws],
+            },
+        }
+        from checks.real_nixl import connect
+
+        try:
+            connect(self.decode.worker, self.prefill.worker)
+        except Exception as exc:  # noqa: BLE001 - the decoder refused the peer
+            return info | {"refused": f"{type(exc).__name__}: {exc}"}
+        if self.prefill.stages:
+            # The prefiller's device caches never change: one copy of every
+            # block to its host buffers (untimed) makes every READ move
+            # current bytes; the sampled READs time the request's own copy.
+            self._save_to_host("all-blocks", list(range(num_blocks)))
+        info |= self._read_list(info["registered"]["decoder"])
+        return info
+
+    def _layout(self, name: str, role: str, kwargs: dict[str, int], seed: int) -> Any:
+        """A device layout: the prefiller's filled with a pattern, the
+        decoder's zeroed (which also makes every page resident, as registered
+        memory is); reused from an earlier phase when the driver kept it."""
+        key = (name, role)
+        if key not in self.layouts:
+            layout = self.zoo.build_zoo_layout(name, **kwargs)
+            if role == "P":
+                self.zoo.fill_pattern(layout, seed=seed)
+            else:
+                self.zoo.zero(layout)
+            self.layouts[key] = layout
+        self.own_raws[key] = len(self.layouts[key].raws)
+        return self.layouts[key]
+
+    def _read_list(self, decoder: dict[str, int]) -> dict[str, Any]:
+        reads = getattr(self.decode.worker, "_coalesced_reads", {}).get(
+            (self.prefill.worker.engine_id, 0)
+        )
+        if reads is None:
+            return {"read_list": dict(decoder), "coalesce_summary": ""}
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.region_coalescing import (  # noqa: E501
+            coalesce_rows,
+        )
+
+        rows = np.asarray(
+            coalesce_rows(self.decode.worker.src_blocks_data, reads.plan.runs)
+        )
+        return {
+            "read_list": {
+                "regions": len(reads.plan.runs),
+                "descriptors": int(rows[:, 4].sum()),
+            },
+            "coalesce_summary": reads.plan.summary(),
+        }
+
+    def _save_to_host(self, rid: str, ids: list[int]) -> float:
+        """The prefiller's d2h staging copy of the blocks; returns ms."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        assert self.prefill is not None
+        meta = NixlConnectorMetadata()
+        meta.add_new_req_to_save(rid, [ids] * self.prefill.groups, {})
+        start = time.perf_counter()
+        self.prefill.worker.save_kv_to_host(meta)
+        return (time.perf_counter() - start) * 1e3
+
+    def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
+        """One READ with its staging copies, checks and memmove floor."""
+        from job_nixl import floor_offsets, verify_and_zero
+
+        from checks.real_nixl import pull_request
+
+        prefill, decode, copier = self.prefill, self.decode, self.copier
+        assert prefill is not None and decode is not None
+        t = self.transfers[index]
+        pair = f"{prefill.agent}->{decode.agent}"
+        fresh = pair not in self.used_pairs
+        self.used_pairs.add(pair)
+        d2h = h2d = math.nan
+        notes: list[str] = []
+        if prefill.stages and sampled:
+            # The request's whole block list, as a prefiller saves it.
+            copier.evict()
+            d2h = self._save_to_host(t.rid, t.prefill_ids)
+        copier.evict()
+        result = pull_request(
+            decode.worker,
+            prefill.worker,
+            [t.local_ids] * decode.groups,
+            [t.remote_ids] * decode.groups,
+        )
+        # Nobody consumes the prefiller's READ notifications here; drop them.
+        prefill.worker.nixl_wrapper.get_new_notifs()
+        dst, src, n = self.recorder.pieces(
+            decode.agent, prefill.agent, self.recorder.take(decode.agent)
+        )
+        if decode.stages and verify:
+            # Only where the device pages are compared: the other READs leave
+            # the bytes in the host buffers (zeroed with the memmove floor).
+            start = time.perf_counter()
+            decode.worker.sync_recved_kv_to_device(
+                t.rid, SimpleNamespace(local_physical_block_ids=[t.local_ids])
+            )
+            h2d = (time.perf_counter() - start) * 1e3
+        ok = True
+        moved = int(n.sum())
+        if moved != result.total_bytes:
+            ok = False
+            notes.append(
+                f"READ {index}: pieces hold {moved:,} B, NIXL moved "
+                f"{result.total_bytes:,} B"
+            )
+        verified = False
+        if verify:
+            good, compared = verify_and_zero(decode.layout, prefill.layout, t)
+            if not good or compared != result.total_bytes:
+                ok = False
+                notes.append(
+                    f"READ {index}: bytes differ (checked {compared:,} of "
+                    f"{result.total_bytes:,})"
+                )
+            verified = True
+        copier.evict()
+        floor_ms = copier.gather(dst, src, n)
+        copier.zero(dst, n)
+        return {
+            "blocks": len(t.local_ids),
+            "bytes": moved,
+            "descs": result.descriptors,
+            "list_floor": len(n),
+            "done_ms": result.done_s * 1e3,
+            "floor_ms": floor_ms,
+            "d2h_ms": d2h,
+            "h2d_ms": h2d,
+            "coalesced": result.coalesced,
+            "fresh_agents": fresh,
+            "verified": verified,
+            "ok": ok,
+            "notes": notes,
+            "pieces": (
+                floor_offsets(src, prefill.layout.raws),
+                floor_offsets(dst, decode.layout.raws),
+                n,
+            ),
+        }
+
+    def clean(self) -> bool:
+        """Whether every byte of the decoder's allocations is zero."""
+        from job_nixl import all_zero
+
+        assert self.decode is not None
+        return all_zero(self.decode.layout.raws)
+
+    def teardown(self, keep: list[list[str]]) -> None:
+        """Shut the pair down; keep the named device layouts for later phases.
+
+        A kept layout loses the staging buffers this phase's workers added;
+        a decoder layout is kept only when it is clean.
+        """
+        for side in (self.prefill, self.decode):
+            if side is not None:
+                side.worker.shutdown()
+        clean = self.decode is None or self.clean()
+        self.prefill = self.decode = None
+        self.transfers = []
+        wanted = {tuple(k) for k in keep}
+        for key in list(self.layouts):
+            if key in wanted and (key[1] == "P" or clean):
+                del self.layouts[key].raws[self.own_raws.get(key, 0) :]
+            else:
+                del self.layouts[key]
+        gc.collect()
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def serve(conn: Any, spec: dict[str, Any]) -> None:
+    """The variant process's loop: ``(command, kwargs)`` in, result out."""
+    _use_tree(spec["tree"])
+    from job_noise import NOISE, hide_expected_noise
+
+    hide_expected_noise()
+    child = Child(spec)
+    while True:
+        command, kwargs = conn.recv()
+        if command == "exit":
+            conn.send(("ok", NOISE.counts()))
+            return
+        try:
+            conn.send(("ok", getattr(child, command)(**kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the driver
+            conn.send(("error", traceback.format_exc()))

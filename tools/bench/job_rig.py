@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The quiet rig: one process per variant, one READ running at a time.
+
+Every variant runs in a process of its own (``job_child.serve``: the real
+code of its tree), forked by the driver before any vLLM module is imported
+(the driver has imported torch and the libraries every tree shares, so a
+variant process only imports its tree's ``vllm``). Each process holds one
+P/D pair of pull workers at a time, each worker with its NIXL agent as vLLM
+creates it (UCX, ``num_threads=4``, a progress thread). The NIXL floor's two
+bare agents live in one more process (``floor_serve``).
+
+While one READ is timed, every other process is stopped (SIGSTOP; SIGCONT
+before its next command), so only the two agents of the measured pair (and
+the Python thread driving them) can run; an idle agent otherwise busy-polls
+its progress thread (``job_nixl.idle_agent_cost`` measures what that costs).
+The variants are alternated READ by READ (rotating which goes first), each
+READ followed by its NIXL floor, so a drift of the machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+QUIET_RIG = (
+    "Quiet rig: one process per variant (its own tree), each holding one P/D "
+    "pair of pull workers whose NIXL agents are created as vLLM creates them "
+    "(UCX, num_threads=4, progress thread); the NIXL floor's two agents in one "
+    "more process. While a READ is timed every other process is stopped "
+    "(SIGSTOP), so only the measured pair's agents run; variants alternate READ "
+    "by READ, each READ followed by its NIXL floor."
+)
+
+
+class ChildError(RuntimeError):
+    """A command failed in a child process (its traceback is the message)."""
+
+
+@dataclass
+class Proc:
+    """A forked child driven over a pipe, stopped between commands."""
+
+    key: str
+    target: Callable[[Any, dict[str, Any]], None]
+    spec: dict[str, Any]
+    conn: Any = None
+    process: Any = None
+    busy_s: float = 0.0
+    stopped: bool = False
+
+    def start(self) -> Proc:
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=self.target, args=(child, self.spec), name=self.key, daemon=True
+        )
+        self.process.start()
+        child.close()
+        return self
+
+    def _signal(self, sig: int) -> None:
+        if self.process is not None and self.process.is_alive():
+            os.kill(self.process.pid, sig)
+
+    def freeze(self) -> None:
+        self._signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def thaw(self) -> None:
+        if self.stopped:
+            self._signal(signal.SIGCONT)
+            self.stopped = False
+
+    def post(self, command: str, **kwargs: Any) -> None:
+        """Send a command (the process runs until ``collect``)."""
+        self.thaw()
+        self._begun = time.perf_counter()
+        self.conn.send((command, kwargs))
+
+    def collect(self, freeze: bool = True) -> Any:
+        """The answer to the last command; the process is stopped again."""
+        if not self.conn.poll(None) and not self.process.is_alive():
+            raise ChildError(f"{self.key}: the process died")
+        try:
+            status, result = self.conn.recv()
+        except EOFError:
+            raise ChildError(
+                f"{self.key}: the process died (exit code {self.process.exitcode})"
+            ) from None
+        self.busy_s += time.perf_counter() - self._begun
+        if freeze:
+            self.freeze()
+        if status == "error":
+            raise ChildError(f"{self.key}:\n{result}")
+        return result
+
+    def call(self, command: str, **kwargs: Any) -> Any:
+        """Run one command alone: every other process stays stopped."""
+        self.post(command, **kwargs)
+        return self.collect()
+
+    def close(self) -> Any:
+        """Ask the process to exit; returns what it reports (its log counts)."""
+        counts = None
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.post("exit")
+                counts = self.collect(freeze=False)
+            except (ChildError, OSError, EOFError):
+                pass
+            self.process.join(timeout=10)
+        self.kill()
+        return counts
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self._signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+def call_all(procs: Sequence[Proc], command: str, **kwargs: Any) -> list[Any]:
+    """One command in every process at once (set-up and tear-down only).
+
+    Returns each process's answer, or the ``ChildError`` it raised.
+    """
+    for proc in procs:
+        proc.post(command, **kwargs)
+    out: list[Any] = []
+    for proc in procs:
+        try:
+            out.append(proc.collect())
+        except ChildError as exc:
+            out.append(exc)
+    return out
+
+
+def floor_serve(conn: Any, spec: dict[str, Any]) -> None:
+    """The NIXL floor's process: bare agents, no vLLM (``job_nixl.NixlFloor``)."""
+    import traceback
+
+    from job_nixl import NixlFloor, idle_agent_cost
+
+    floor: NixlFloor | None = None
+    while True:
+        command, kwargs = conn.recv()
+        try:
+            if command == "exit":
+                if floor is not None:
+                    floor.release()
+                conn.send(("ok", None))
+                return
+            if command == "idle_cost":
+                result: Any = idle_agent_cost(**kwargs)
+            else:
+                if floor is None:
+                    floor = NixlFloor()
+                result = getattr(floor, command)(**kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - reported to the driver
+            conn.send(("error", traceback.format_exc()))
+
+
+@dataclass
+class Phase:
+    """One row group being read: its variant processes and READ plan."""
+
+    procs: list[Proc]
+    count: int  # READs per pass, the cold one included
+    repeat: int
+    sampled: dict[str, set[int]]  # per process key: READs timed/verified
+    verify_every: bool
+    floor: Proc | None = None
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    stray: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _clean(phase: Phase, when: str) -> None:
+    for proc in phase.procs:
+        if not proc.call("clean"):
+            phase.stray.setdefault(proc.key, []).append(
+                f"stray bytes on the decoder {when}"
+            )
+
+
+def run_phase(phase: Phase, note: Callable[[str], None]) -> None:
+    """Every READ of every variant, alternated, each with its NIXL floor."""
+    procs = phase.procs
+    phase.results = {p.key: [] for p in procs}
+    for rep in range(phase.repeat):
+        for i in range(0 if rep == 0 else 1, phase.count):
+            if i % 20 == 0:
+                note(f"READ {i}/{phase.count - 1} x {len(procs)}, pass {rep + 1}")
+            shift = (i + rep) % len(procs)
+            for proc in procs[shift:] + procs[:shift]:
+                sampled = i in phase.sampled[proc.key]
+                result = proc.call(
+                    "read",
+                    index=i,
+                    sampled=sampled,
+                    verify=phase.verify_every or sampled,
+                )
+                p_off, d_off, n = result.pop("pieces")
+                result["nixl_floor_ms"] = float("nan")
+                if phase.floor is not None and len(n):
+                    floor = phase.floor.call(
+                        "read",
+                        p_off=p_off,
+                        d_off=d_off,
+                        n=n,
+                        verify=result["verified"],
+                    )
+                    result["nixl_floor_ms"] = floor["ms"]
+                    result["nixl_floor_descs"] = floor["descs"]
+                    if not floor["ok"]:
+                        result["notes"].append(f"READ {i}: NIXL floor bytes differ")
+                result["pass"] = rep
+                phase.results[proc.key].append(result)
+            if i == 0 and rep == 0:
+                _clean(phase, "after the cold READ")
+    _clean(phase, "after all READs")

@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the main job compares: the scenarios (P/D layout pairs).
+
+A scenario is a prefiller layout and a decoder layout of the layout zoo
+(``checks/layout_zoo.py``: planned and allocated by vLLM's own planner and
+allocator), read by every variant of the series (``job_variants.py``: stock,
+then each prefix of the series as its tree ships it). A scenario may have
+several pairings (host staging: on both sides, on the decoder only), each a
+group of rows, and may add rows for configuration levers (``CONFIG_LEVERS``)
+that the series ships off by default.
+
+Adding a scenario is one ``Scenario(...)`` entry in ``SCENARIOS``, e.g. for a
+DeepSeek-V4 row (once the zoo builds ``dsv4/BLHNC``)::
+
+    Scenario(
+        "dsv4-row", "(6)", "DeepSeek-V4 row", "dsv4/BLHNC", "dsv4/BLHNC",
+        description="...",
+    ),
+
+or, to read the layout each tree resolves by default for that model::
+
+    Scenario(
+        "dsv4-default", "(6)", "DeepSeek-V4, default layout",
+        "dsv4/{layout}", "dsv4/{layout}",
+        default_layout=DefaultLayout("dsv4", ("vllm....:DeepseekV4IndexerBackend",
+                                              ...)),
+    ),
+
+Nothing here imports vLLM: the driver process reads this module before any
+variant's tree is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# GLM-5.3's attention backends on CUDA: the sparse MLA backend (FlashMLA's;
+# FlashInfer's sparse MLA backends declare the same) and the DSA indexer's.
+# Each variant asks its own tree what they declare (supported_kv_cache_layouts).
+GLM53_BACKENDS = (
+    "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
+    "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerBackend",
+)
+
+
+@dataclass(frozen=True)
+class DefaultLayout:
+    """Resolve the layout a user gets without setting one, in each tree.
+
+    Attributes:
+        model: Zoo model prefix (``glm53-mtp``); its specs feed the resolution
+            and ``{model}/{layout}`` names the zoo layout then built.
+        backends: ``module:Class`` of the attention backends the model runs
+            on, whose declared layouts (``supported_kv_cache_layouts``) are
+            the workers' supported sets.
+
+    """
+
+    model: str
+    backends: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """Which sides stage through host buffers (``kv_buffer_device="cpu"``).
+
+    Attributes:
+        label: Row-group label (``""`` when the scenario has one pairing).
+        p_stages: The prefiller stages.
+        d_stages: The decoder stages.
+
+    """
+
+    label: str = ""
+    p_stages: bool = False
+    d_stages: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigLever:
+    """A lever the series ships as configuration, off by default.
+
+    Attributes:
+        name: Short name (variant key suffix).
+        label: Row label suffix, e.g. ``+ mirror_host_buffers``.
+        extra_config: ``kv_connector_extra_config`` entries that turn it on.
+        needle: Text whose presence under ``vllm/`` in a tree means the tree
+            reads the setting (``git grep``).
+
+    """
+
+    name: str
+    label: str
+    extra_config: tuple[tuple[str, object], ...]
+    needle: str
+
+
+CONFIG_LEVERS = {
+    "mirror_host_buffers": ConfigLever(
+        "mirror_host_buffers",
+        "+ mirror_host_buffers",
+        (("mirror_host_buffers", True),),
+        '"mirror_host_buffers"',
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A prefiller/decoder layout pair and how it is read.
+
+    Attributes:
+        key: Short name (command line, JSON).
+        short: Position in the report, e.g. ``(1)`` (cover letters select
+            scenarios by it: ``<!-- table: main-job:1,2 -->``).
+        label: Title for the tables.
+        prefiller: Zoo layout of the prefiller's device caches; ``{layout}``
+            is replaced by the layout each tree resolves (``default_layout``).
+        decoder: Zoo layout of the decoder's device caches (same rule).
+        pairings: The row groups (staging sides).
+        default_layout: Resolve ``{layout}`` per tree, or None.
+        staging_recipe: Zoo layout whose config the staging workers use.
+        config_levers: ``CONFIG_LEVERS`` names that get a row on the whole
+            series (where the series' tree reads them).
+        synthetic_layout: Hand-built layout vLLM never builds.
+        description: One line for the legend.
+
+    """
+
+    key: str
+    short: str
+    label: str
+    prefiller: str
+    decoder: str
+    pairings: tuple[Pairing, ...] = (Pairing(),)
+    default_layout: DefaultLayout | None = None
+    staging_recipe: str | None = None
+    config_levers: tuple[str, ...] = ()
+    synthetic_layout: bool = False
+    description: str = ""
+
+    def layouts(self, resolved: str | None) -> tuple[str, str]:
+        """The zoo layout names of both sides, given a tree's resolved layout."""
+        if self.default_layout is None:
+            return self.prefiller, self.decoder
+        if resolved is None:
+            raise ValueError(f"{self.key}: the tree resolved no layout")
+        return (
+            self.prefiller.format(layout=resolved),
+            self.decoder.format(layout=resolved),
+        )
+
+
+SCENARIOS = (
+    Scenario(
+        "default-layout",
+        "(1)",
+        "default layout, GLM-5.3 + MTP",
+        "glm53-mtp/{layout}",
+        "glm53-mtp/{layout}",
+        default_layout=DefaultLayout("glm53-mtp", GLM53_BACKENDS),
+        description="what a user gets without setting a layout: each tree "
+        "resolves it (resolve_kv_cache_layout with a NixlConnector "
+        "kv_transfer_config, the model's specs and its backends' declared "
+        "layouts); LBNHC registers one dense region per layer page (103), "
+        "BLHNC one whole-row region",
+    ),
+    Scenario(
+        "blhnc-row",
+        "(2)",
+        "one-region BLHNC row, GLM-5.3 + MTP",
+        "glm53-mtp/BLHNC",
+        "glm53-mtp/BLHNC",
+        description="every cache in one buffer: one dense whole-row region, "
+        "descriptors = block runs",
+    ),
+    Scenario(
+        "host-staging",
+        "(3)",
+        "NIXL host staging, GLM-5.3 + MTP BLHNC device rows",
+        "glm53-mtp/BLHNC",
+        "glm53-mtp/BLHNC",
+        pairings=(
+            Pairing("P+D", p_stages=True, d_stages=True),
+            Pairing("D only", d_stages=True),
+        ),
+        staging_recipe="glm53-mtp+host-staging/BLHNC",
+        config_levers=("mirror_host_buffers",),
+        description="kv_buffer_device=cpu on both sides (P+D) or on the decoder "
+        "only (D only; stock refuses a staging prefiller with a device BLHNC "
+        "decoder): per-layer staging buffers (103 regions); mirrored staging "
+        "(one region) is opt-in (its own row)",
+    ),
+    Scenario(
+        "hisparse",
+        "(4)",
+        "HiSparse decoder <- GLM-5.3 BLHNC prefiller",
+        "glm53/BLHNC",
+        "hisparse-glm53/BLHNC",
+        description="device row of strided indexer pages + LBNHC host pool of "
+        "per-layer MLA pages (101 regions) on the decoder",
+    ),
+    Scenario(
+        "two-storage",
+        "(5)",
+        "two-storage row, SYNTHETIC layout",
+        "synthetic/glm-draft-storage",
+        "synthetic/glm-draft-storage",
+        synthetic_layout=True,
+        description="the GLM-5.3 row + a draft MLA cache in its own allocation "
+        "(102 regions), the row of the upstream change's report",
+    ),
+)
