@@ -331,8 +331,10 @@ def write_cover_letters(
 END_TABLE = "<!-- end table -->"
 
 
-def fill_readme(path: Path = ROOT / "README.md") -> list[str]:
-    """Re-render every table block of the README in place.
+def fill_readme(
+    path: Path = ROOT / "README.md", only: Sequence[str] | None = None
+) -> list[str]:
+    """Re-render the table blocks of the README in place (all, or ``only``).
 
     A block starts with a table directive and ends with ``<!-- end table -->``;
     what lies between is replaced. Returns the commands of missing sources.
@@ -345,7 +347,7 @@ def fill_readme(path: Path = ROOT / "README.md") -> list[str]:
         out.append(lines[i])
         m = DIRECTIVE.match(lines[i].strip())
         i += 1
-        if m is None:
+        if m is None or (only and m.group("name") not in only):
             continue
         end = lines.index(END_TABLE, i)
         rendered, command = render_table(m.group("name"), m.group("arg"))
@@ -359,14 +361,15 @@ def fill_readme(path: Path = ROOT / "README.md") -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``cover_letters.py TABLE[:ARG]...`` prints tables as the cover letters
-    have them; ``cover_letters.py readme`` re-renders README.md's tables."""
+    have them; ``cover_letters.py readme [TABLE...]`` re-renders README.md's
+    tables (all, or the named ones)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("tables", nargs="+", help=f"readme, or {sorted(SOURCES)}")
     args = parser.parse_args(argv)
-    if args.tables == ["readme"]:
-        missing = fill_readme()
+    if args.tables[0] == "readme":
+        missing = fill_readme(only=args.tables[1:] or None)
         for command in missing:
             print(f"cover_letters: missing: run `{command}`")
         return 1 if missing else 0

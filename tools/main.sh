@@ -3,11 +3,16 @@
 #
 # The main job: set up the env, build the patched vLLM tree (build/vllm) and
 # run the main job (tools/bench/nixl_main_job.py) against it: NIXL
-# descriptors and time per READ for five P/D scenarios, against their floors.
-# Writes build/bench/nixl_descriptors.json and prints the tables rendered from
-# it, then the regions per zoo P/D pair (tools/zoo_regions.py,
+# descriptors and time per READ for five P/D scenarios, one row per prefix of
+# the series (stock, 0001, 0001-0002, ...: each the real code of its own
+# worktree of build/vllm under build/prefixes/, one process each, stopped
+# while another reads), against the memmove and NIXL floors, with a GPU
+# post-time projection from published costs. Writes
+# build/bench/nixl_descriptors.json and prints the tables rendered from it,
+# then the regions per zoo P/D pair (tools/zoo_regions.py,
 # build/bench/zoo_regions.json). Extra arguments go to the job (default:
-# --out build/bench --verify sample).
+# --out build/bench --verify sample), e.g. --repeat 3, --quick, or
+# --scenarios blhnc-row --variants series.
 #
 # FORK_NO_BUILD=1 skips `fork.py build` and runs against build/vllm as it is
 # (for someone who is editing that tree: build would reset unsaved work).

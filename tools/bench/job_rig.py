@@ -37,6 +37,27 @@ QUIET_RIG = (
 )
 
 
+def idle_text(idle: dict[str, Any]) -> str:
+    """What an idle agent costs (``job_nixl.idle_agent_cost``), in words."""
+    cost = {k: v["cpu_per_wall"] for k, v in idle.items() if isinstance(v, dict)}
+    vllm, no_ucx, no_prog = (
+        cost["vllm"],
+        cost["num_threads=0"],
+        cost["no progress thread"],
+    )
+    if no_prog < 0.5 * vllm <= no_ucx:
+        why = "its progress thread polls, its UCX threads sleep"
+    elif no_ucx < 0.5 * vllm:
+        why = "its UCX threads poll"
+    else:
+        why = "it polls"
+    return (
+        f"An idle agent created as vLLM creates it (UCX, num_threads=4) costs "
+        f"{vllm:.2f} CPU, {no_ucx:.2f} with num_threads=0 and {no_prog:.2f} with "
+        f"its progress thread off ({why}); a stopped process costs none."
+    )
+
+
 class ChildError(RuntimeError):
     """A command failed in a child process (its traceback is the message)."""
 
@@ -122,6 +143,22 @@ class Proc:
             self._signal(signal.SIGCONT)
             self.process.kill()
             self.process.join(timeout=5)
+
+
+def cpu_seconds(procs: Sequence[Proc]) -> float:
+    """CPU seconds (user + system) the processes and this one have used."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = sum(os.times()[:2])
+    for proc in procs:
+        if proc.process is None or not proc.process.is_alive():
+            continue
+        try:
+            with open(f"/proc/{proc.process.pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+        except OSError:
+            pass
+    return total
 
 
 def call_all(procs: Sequence[Proc], command: str, **kwargs: Any) -> list[Any]:

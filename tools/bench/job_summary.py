@@ -95,6 +95,36 @@ def samples(reads: list[dict[str, Any]]) -> dict[str, list[float]]:
     }
 
 
+def base_row(
+    scenario: Any, pairing: Any, variant: Any, facts: dict, info: dict
+) -> dict[str, Any]:
+    """A row's identity, levers, layout and registration."""
+    levers = facts[variant.key]["levers"]
+    pool, staging = levers["pool"], info.get("staging", {"P": "none", "D": "none"})
+    layout = info.get("layout", {"prefiller": "", "decoder": ""})
+    both = staging["P"] in ("none", staging["D"])
+    return {
+        "scenario": scenario.key,
+        "pairing": pairing.label,
+        "variant": variant.key,
+        "label": (f"{pairing.label}: " if pairing.label else "") + variant.label,
+        "switches": {
+            "order": levers["order"],
+            "pool": pool["D"]
+            if pool["P"] == pool["D"]
+            else f"P {pool['P']}, D {pool['D']}",
+            "read": levers["read"],
+            "staging": staging["D"] if both else f"P {staging['P']}, D {staging['D']}",
+            "layout": layout["decoder"].rpartition("/")[2],
+        },
+        "layout": layout,
+        "synthetic_layout": scenario.synthetic_layout,
+        "registered": info.get("registered"),
+        "read_list": info.get("read_list"),
+        "coalesce_summary": info.get("coalesce_summary", ""),
+    }
+
+
 def row_record(
     base: dict[str, Any], reads: list[dict[str, Any]], notes: list[str]
 ) -> dict[str, Any]:
@@ -117,6 +147,16 @@ def row_record(
     if base["read_list"] != base["registered"]["decoder"] and coalesced != {True}:
         notes.append("the decoder's read list is coalesced but a READ was not")
         ok = False
+    merged = [
+        (r["nixl_floor_descs"], r["list_floor"])
+        for r in reads
+        if r.get("nixl_floor_descs") not in (None, r["list_floor"])
+    ]
+    if merged:
+        notes.append(
+            f"{len(merged)} NIXL floor READs posted other than one descriptor per "
+            f"piece (e.g. {merged[0][0]} for {merged[0][1]})"
+        )
     if not cold["fresh_agents"]:
         notes.append("cold READ on agents that had already read")
     return base | {

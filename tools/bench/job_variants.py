@@ -103,6 +103,8 @@ class Series:
     levers: dict[str, Variant] = field(default_factory=dict)
     no_row: list[str] = field(default_factory=list)
     unread_levers: list[str] = field(default_factory=list)
+    # build/vllm has uncommitted changes: the rows read its commits only.
+    dirty: bool = False
 
     def by_key(self) -> dict[str, Variant]:
         out = {v.key: v for v in [*self.variants, *self.levers.values()]}
@@ -167,7 +169,8 @@ def discover(tree: Path = TREE, base_tag: str = "v0.33.0") -> Series:
             last.subject,
             series=True,
         )
-    series = Series(head, base_tag, variants, no_row=no_row)
+    dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
+    series = Series(head, base_tag, variants, no_row=no_row, dirty=dirty)
     top = variants[-1]
     for lever in CONFIG_LEVERS.values():
         if not top.series:

@@ -51,7 +51,7 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
      "series": {"head", "base_tag", "no_row": ["NNNN name"],
                 "unread_levers": [str], "variants": [variant record]},
      "facts": {variant key: {"levers", "import_s", "ucx_tls", "resolved"}},
-     "idle_agent": {"cpu_per_wall", "threads"},
+     "idle_agent": {config: {"cpu_per_wall", "threads"}, "cpu_per_wall"},
      "projection": job_projection.PROJECTION,
      "definitions": {name: text},
      "verification": {"mode", "reads_verified", "reads", "text"},
@@ -76,6 +76,7 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
                "passes": [{"pass", "done_p50", "vs_stock_done_p50"}],
                "verification": {"reads_verified", "bytes_verified"},
                "notes": [str], "samples": {key: [per warm READ]}}],
+     "timing": [{"step", "wall_s", "cpu_s"}],     # all processes' CPU
      "noise": {what: count}, "peak_rss_mb", "elapsed_s"}
 
 Run (``bash tools/main.sh`` does, with ``--verify sample``)::
@@ -236,39 +237,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _base_row(scenario, pairing, variant, facts, info) -> dict[str, Any]:
-    """A row's identity, levers, layout and registration."""
-    levers = facts[variant.key]["levers"]
-    pool, staging = levers["pool"], info.get("staging", {"P": "none", "D": "none"})
-    layout = info.get("layout", {"prefiller": "", "decoder": ""})
-    both = staging["P"] in ("none", staging["D"])
-    return {
-        "scenario": scenario.key,
-        "pairing": pairing.label,
-        "variant": variant.key,
-        "label": (f"{pairing.label}: " if pairing.label else "") + variant.label,
-        "switches": {
-            "order": levers["order"],
-            "pool": pool["D"]
-            if pool["P"] == pool["D"]
-            else f"P {pool['P']}, D {pool['D']}",
-            "read": levers["read"],
-            "staging": staging["D"] if both else f"P {staging['P']}, D {staging['D']}",
-            "layout": layout["decoder"].rpartition("/")[2],
-        },
-        "layout": layout,
-        "synthetic_layout": scenario.synthetic_layout,
-        "registered": info.get("registered"),
-        "read_list": info.get("read_list"),
-        "coalesce_summary": info.get("coalesce_summary", ""),
-    }
-
-
 class Job:
     """The variant processes, their facts and block lists, and the phases."""
 
     def __init__(self, args: argparse.Namespace, note: Callable[[str], None]) -> None:
         self.args, self.note = args, note
+        self.procs: dict[str, job_rig.Proc] = {}
+        self.floor: job_rig.Proc | None = None
+        self.facts: dict[str, dict[str, Any]] = {}
+        self.timing: list[dict[str, Any]] = []
+        self._mark = (time.perf_counter(), job_rig.cpu_seconds([]))
         self.series = discover()
         keys = self.series.by_key()
         wanted = args.variants or [
@@ -280,13 +258,22 @@ class Job:
         self.chosen = list(dict.fromkeys(keys[k] for k in wanted))
         for variant in self.chosen:
             ensure_worktree(variant.tree, variant.commit)
+        self.step("worktrees")
+        if self.series.dirty:
+            note("build/vllm has uncommitted changes: the variants read its commits")
         note(
             f"variants: {', '.join(v.key for v in self.chosen)}; no row (nothing "
             f"under vllm/): {', '.join(self.series.no_row) or 'none'}"
         )
-        self.procs: dict[str, job_rig.Proc] = {}
-        self.floor: job_rig.Proc | None = None
-        self.facts: dict[str, dict[str, Any]] = {}
+
+    def step(self, name: str) -> None:
+        """Record the wall and CPU seconds (all processes) since the last step."""
+        procs = [*self.procs.values(), *([self.floor] if self.floor else [])]
+        wall, cpu = time.perf_counter(), job_rig.cpu_seconds(procs)
+        self.timing.append(
+            {"step": name, "wall_s": wall - self._mark[0], "cpu_s": cpu - self._mark[1]}
+        )
+        self._mark = (wall, cpu)
 
     def start(self) -> None:
         """Fork the processes; each imports its tree and says what it ships."""
@@ -305,6 +292,7 @@ class Job:
                 raise hello
             self.facts[key] = hello
         self.idle = self.floor.call("idle_cost")
+        self.step("start: processes import their trees")
         for scenario in self.args.scenarios:
             spec = scenario.default_layout
             for v in self.chosen if spec is not None else []:
@@ -354,6 +342,7 @@ class Job:
                     transfers, got["num_blocks"], got["source"], False, got["notes"]
                 )
         self.raw = raw
+        self.step("block lists")
         self.per_variant, self.list_records = job_lists.assign(raw, groups, orders)
         span = max(r["span"] for r in self.list_records.values())
         pool = max(lists.num_blocks for lists in raw.values())
@@ -396,9 +385,10 @@ class Job:
                 infos[v.key] = info
                 built.append(v)
                 continue
-            base = _base_row(scenario, pairing, v, self.facts, info)
+            base = job_summary.base_row(scenario, pairing, v, self.facts, info)
             rows.append(job_summary.failed_record(base, status, error))
             self.note(f"{where}: {v.key} {status}: {rows[-1]['error']}")
+        self.step(f"{where}: build")
         if built:
             assert self.floor is not None
             sizes = [infos[v.key]["raws"] for v in built]
@@ -418,8 +408,11 @@ class Job:
             started = time.perf_counter()
             job_rig.run_phase(phase, lambda m: self.note(f"{where}: {m}"))
             self.note(f"{where}: READs took {time.perf_counter() - started:.0f} s")
+            self.step(f"{where}: READs")
             for v in built:
-                base = _base_row(scenario, pairing, v, self.facts, infos[v.key])
+                base = job_summary.base_row(
+                    scenario, pairing, v, self.facts, infos[v.key]
+                )
                 stray = phase.stray.get(v.key, [])
                 rows.append(job_summary.row_record(base, phase.results[v.key], stray))
         for v in members:  # keep the device layouts later phases read
@@ -434,6 +427,7 @@ class Job:
             self.procs[v.key].post("teardown", keep=keep)
         for v in members:
             self.procs[v.key].collect()
+        self.step(f"{where}: teardown")
         order = {v.key: i for i, v in enumerate(members)}
         return sorted(rows, key=lambda r: order[r["variant"]])
 
@@ -480,9 +474,7 @@ def _texts(job: Job, rows: list[dict[str, Any]]) -> dict[str, Any]:
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the "
             "end."
         ),
-        "rig": job_rig.QUIET_RIG + f" An idle agent created as vLLM creates it costs "
-        f"{job.idle['cpu_per_wall']:.2f} CPU (its progress thread polls); a "
-        "stopped process costs none.",
+        "rig": job_rig.QUIET_RIG + " " + job_rig.idle_text(job.idle),
         "lists_summary": lists,
         "verification": {
             "mode": args.verify,
@@ -513,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     note("importing the libraries every tree shares")
     for name in PRELOAD:
         __import__(name)
+    job.step("preload the shared libraries")
     import report
     import torch
 
@@ -578,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in args.scenarios
         ],
         "rows": rows,
+        "timing": job.timing,
         "noise": NOISE.counts(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "elapsed_s": time.perf_counter() - started,

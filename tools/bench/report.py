@@ -404,6 +404,14 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
     notes = _notes(payload)
     if notes:
         lines += ["Notes:", *(f"  {n}" for n in notes)]
+    steps = payload.get("timing", [])
+    if steps:
+        lines.append(
+            "Job seconds (wall / CPU of all its processes): "
+            + "; ".join(
+                f"{t['step']} {t['wall_s']:.0f} / {t['cpu_s']:.0f}" for t in steps
+            )
+        )
     lines.append(_source(payload, json_path))
     return "\n".join(lines)
 
