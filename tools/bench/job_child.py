@@ -209,9 +209,14 @@ class Child:
             kv_connector_extra_config=dict(self.extra),
         )
         config.cache_config.kv_cache_layout = None
-        # The test config's model is OPT; the resolution asks whether the
-        # model uses MLA (GLM-5.3 and DeepSeek do), nothing else of it.
-        with patch.object(ModelConfig, "use_mla", property(lambda self: True)):
+        # The test config's model is OPT (no GLM-5.3 config offline): it says
+        # MLA as GLM-5.3's does (use_mla, is_deepseek_mla); the resolution and
+        # the connector read nothing else of the model.
+        mla = property(lambda self: True)
+        with (
+            patch.object(ModelConfig, "use_mla", mla),
+            patch.object(ModelConfig, "is_deepseek_mla", mla),
+        ):
             connector = get_kv_connector_cache_layout(config)
             layout = resolve_kv_cache_layout(config, [supported], specs)
         return {"supported": supported, "connector": connector, "resolved": layout.name}
@@ -453,16 +458,15 @@ class Child:
         assert self.decode is not None
         return all_zero(self.decode.layout.raws)
 
-    def teardown(self, keep: list[list[str]]) -> None:
+    def teardown(self, keep: list[list[str]], clean: bool) -> None:
         """Shut the pair down; keep the named device layouts for later phases.
 
         A kept layout loses the staging buffers this phase's workers added;
-        a decoder layout is kept only when it is clean.
+        a decoder layout is kept only when it was found clean (``clean``).
         """
         for side in (self.prefill, self.decode):
             if side is not None:
                 side.worker.shutdown()
-        clean = self.decode is None or self.clean()
         self.prefill = self.decode = None
         self.transfers = []
         wanted = {tuple(k) for k in keep}

@@ -10,10 +10,12 @@ Numpy only.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from job_noise import package_version
 
 # One line per column or term of the tables (the JSON's "definitions").
 DEFINITIONS = {
@@ -32,7 +34,9 @@ DEFINITIONS = {
     "after the READ.",
     "NIXL floor": "the same pieces posted by one bare NIXL READ between two "
     "fresh agents created as vLLM creates them (prep_xfer_dlist before the "
-    "clock, make_prepped_xfer + transfer until DONE), in the floor's process.",
+    "clock, make_prepped_xfer + transfer until DONE), in the floor's process; "
+    "one per READ and distinct set of pieces (variants with the same layouts "
+    "and block lists share it).",
     "done": "from the call into the decoder's read path until NIXL reports "
     "every READ of the request DONE; vLLM ms = done - NIXL floor, per READ.",
     "done/floor": "median over the READs of done / floor (memmove or NIXL).",
@@ -242,3 +246,58 @@ def spread(values: Sequence[float | None]) -> float | None:
         return None
     mid = float(np.median(vals))
     return max(abs(v / mid - 1.0) for v in vals) if mid else None
+
+
+def texts(
+    args: Any,
+    rows: list[dict[str, Any]],
+    raw: dict[str, Any],
+    list_records: dict[str, dict[str, Any]],
+    layout_blocks: int,
+    rig: str,
+) -> dict[str, Any]:
+    """Setup, lists and verification lines of the report."""
+    ok_rows = [r for r in rows if r["status"] == "ok"]
+    verified = sum(r["verification"]["reads_verified"] for r in ok_rows)
+    reads = sum(len(r["samples"]["descs"]) + 1 for r in ok_rows)
+    all_ok = all(r["verification"]["bytes_verified"] for r in ok_rows)
+    what = (
+        f"every READ ({verified:,})"
+        if args.verify == "every"
+        else f"a sample of {verified:,} of {reads:,} READs (per variant the cold "
+        "READ, every 10th and the largest)"
+    )
+    first = next(iter(raw.values()))
+    lists = ("SYNTHETIC block lists: " if first.synthetic else "Block lists: ") + (
+        f"{first.source}; "
+        + "; ".join(r["text"] for r in list_records.values())
+        + ". "
+        + " ".join(n[0].upper() + n[1:] + "." for n in first.notes)
+    )
+    return {
+        "setup": (
+            f"NIXL descriptors and time per READ: real NIXL "
+            f"{package_version('nixl')} over UCX on host DRAM; each variant's own "
+            "tree in its own process, the decoder's own read path "
+            "(_read_blocks_for_req) between pull workers with real registration "
+            "and handshake. Layouts planned and allocated by vLLM's own planner "
+            "and allocator (checks/layout_zoo.py) at 78 layers, pages 1/64 of "
+            "GLM-5.3's (zoo scale 4, 4-token pages); block lists of "
+            f"{first.num_blocks:,}-block pools, each READ's ids compacted onto "
+            f"{layout_blocks:,}-block layouts (runs kept). Per variant 1 cold "
+            f"READ + {args.transfers} READs x {args.repeat} pass(es); "
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the "
+            "end."
+        ),
+        "rig": rig,
+        "lists_summary": lists,
+        "verification": {
+            "mode": args.verify,
+            "reads_verified": verified,
+            "reads": reads,
+            "text": f"Bytes: verified {what} against the prefiller's pages (and "
+            "the NIXL floor's pieces against theirs); every decoder allocation "
+            "scanned for stray bytes after the cold READs and at the end; "
+            + ("all matched." if all_ok else "MISMATCHES (see notes)."),
+        },
+    }

@@ -2,12 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The main job: NIXL descriptors and time per KV-cache READ, patch by patch.
 
-What an operator or a reviewer asks of a P/D configuration: how many
-descriptors and how much time does a transfer cost, how far is that from what
-the bytes and NIXL itself require, and what does each patch of the series buy?
+How many descriptors and how much time does a transfer cost, how far is that
+from what the bytes and NIXL itself require, and what does each patch buy?
 Every figure comes from real pull workers (real registration, handshake and
-``_read_blocks_for_req``) with real NIXL agents over UCX on host DRAM, reading
-block lists of real block pools.
+``_read_blocks_for_req``) with real NIXL agents over UCX on host DRAM.
 
 The job is split by what a reader looks for:
 
@@ -23,8 +21,8 @@ The job is split by what a reader looks for:
 - the report: ``job_summary.py`` (rows of the JSON), ``job_projection.py``
   (the published GPU costs), ``report.py`` (every table, from the JSON only).
 
-This file parses the command line, runs the phases (one per scenario pairing:
-build every variant's pair, READ them in turn, tear down) and writes the JSON.
+This file runs the phases (one per scenario pairing: build every variant's
+pair, READ them in turn, tear down) and writes the JSON.
 
 Page bytes: the zoo's ``scale=4`` per-token bytes with 4-token pages, every
 page 1/64 of GLM-5.3's 64-token page; block ids are the replay's 64-token
@@ -37,7 +35,7 @@ READ by READ with the pairing's other variants. Each READ is followed by its
 memmove floor (same process) and its NIXL floor (the floor's process). A
 cache-evicting pass precedes the d2h copy, the READ and the floor. Staging
 copies: the d2h copy of the request's whole block list is timed on the sampled
-READs (the cold one, every 10th, the largest), the h2d copy on every READ.
+READs (the cold one, every 10th, the largest), the h2d copy on verified ones.
 Byte verification (``--verify``): ``every`` READ, or the ``sample`` READs: the
 decoder's caches after the READ (and the h2d copy) must equal the prefiller's
 pages, and the NIXL floor's pieces their source; the decoder's allocations are
@@ -50,7 +48,9 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
      "setup": str, "rig": str, "lists_summary": str,
      "series": {"head", "base_tag", "no_row": ["NNNN name"],
                 "unread_levers": [str], "variants": [variant record]},
-     "facts": {variant key: {"levers", "import_s", "ucx_tls", "resolved"}},
+     "facts": {variant key: {"levers", "import_s", "ucx_tls",
+               "resolution": {scenario key: {"supported", "connector",
+                                             "resolved"} | {"error"}}}},
      "idle_agent": {config: {"cpu_per_wall", "threads"}, "cpu_per_wall"},
      "projection": job_projection.PROJECTION,
      "definitions": {name: text},
@@ -90,6 +90,7 @@ smoke test; most of its time is importing vLLM and building agents).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -296,13 +297,20 @@ class Job:
         for scenario in self.args.scenarios:
             spec = scenario.default_layout
             for v in self.chosen if spec is not None else []:
-                found = self.procs[v.key].call(
-                    "resolve", model=spec.model, backends=list(spec.backends)
-                )
-                self.facts[v.key] |= {
-                    "resolution": found,
-                    "resolved": found["resolved"],
-                }
+                try:
+                    found = self.procs[v.key].call(
+                        "resolve", model=spec.model, backends=list(spec.backends)
+                    )
+                except job_rig.ChildError as exc:
+                    found = {"error": str(exc).strip().splitlines()[-1]}
+                self.facts[v.key].setdefault("resolution", {})[scenario.key] = found
+
+    def layouts(self, scenario: Scenario, v: Variant) -> tuple[str, str]:
+        """The zoo layouts of the variant's pair (its own resolution, if any)."""
+        found = self.facts[v.key].get("resolution", {}).get(scenario.key, {})
+        if "error" in found:
+            raise ValueError(f"layout resolution failed: {found['error']}")
+        return scenario.layouts(found.get("resolved"))
 
     def lists(self) -> None:
         """Block lists per variant: one replay per group of equal pool code."""
@@ -361,8 +369,13 @@ class Job:
         """Build every variant's pair, READ them in turn, tear down."""
         args, where = self.args, f"{scenario.key} {pairing.label}".strip()
         members = self.members(scenario)
+        unresolved = {}
         for v in members:
-            p_name, d_name = scenario.layouts(self.facts[v.key].get("resolved"))
+            try:
+                p_name, d_name = self.layouts(scenario, v)
+            except ValueError as exc:
+                unresolved[v.key] = str(exc)
+                continue
             self.procs[v.key].post(
                 "build",
                 p_name=p_name,
@@ -373,9 +386,11 @@ class Job:
                 num_blocks=self.layout_blocks,
                 seed=args.seed,
             )
-        rows, built, infos = [], [], {}
+        rows, built, infos, stray = [], [], {}, {}
         for v in members:
             try:
+                if v.key in unresolved:
+                    raise job_rig.ChildError(unresolved[v.key])
                 info, status, error = self.procs[v.key].collect(), "ok", ""
                 if info.get("refused"):
                     status, error = "refused", info["refused"]
@@ -409,22 +424,23 @@ class Job:
             job_rig.run_phase(phase, lambda m: self.note(f"{where}: {m}"))
             self.note(f"{where}: READs took {time.perf_counter() - started:.0f} s")
             self.step(f"{where}: READs")
+            stray = phase.stray
             for v in built:
                 base = job_summary.base_row(
                     scenario, pairing, v, self.facts, infos[v.key]
                 )
-                stray = phase.stray.get(v.key, [])
-                rows.append(job_summary.row_record(base, phase.results[v.key], stray))
+                found = phase.stray.get(v.key, [])
+                rows.append(job_summary.row_record(base, phase.results[v.key], found))
         for v in members:  # keep the device layouts later phases read
-            keep = [
-                [name, role]
-                for s, _ in later
-                if v in self.members(s)
-                for name, role in zip(
-                    s.layouts(self.facts[v.key].get("resolved")), "PD", strict=True
-                )
-            ]
-            self.procs[v.key].post("teardown", keep=keep)
+            keep = []
+            for s, _ in later:
+                with contextlib.suppress(ValueError):
+                    if v in self.members(s):
+                        keep += [
+                            list(k) for k in zip(self.layouts(s, v), "PD", strict=True)
+                        ]
+            clean = v in built and not stray.get(v.key)
+            self.procs[v.key].post("teardown", keep=keep, clean=clean)
         for v in members:
             self.procs[v.key].collect()
         self.step(f"{where}: teardown")
@@ -437,55 +453,6 @@ class Job:
                 NOISE.hidden[k] = NOISE.hidden.get(k, 0) + n
         if self.floor is not None:
             self.floor.close()
-
-
-def _texts(job: Job, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Setup, lists and verification lines of the report."""
-    args = job.args
-    ok_rows = [r for r in rows if r["status"] == "ok"]
-    verified = sum(r["verification"]["reads_verified"] for r in ok_rows)
-    reads = sum(len(r["samples"]["descs"]) + 1 for r in ok_rows)
-    all_ok = all(r["verification"]["bytes_verified"] for r in ok_rows)
-    what = (
-        f"every READ ({verified:,})"
-        if args.verify == "every"
-        else f"a sample of {verified:,} of {reads:,} READs (per variant the cold "
-        "READ, every 10th and the largest)"
-    )
-    first = next(iter(job.raw.values()))
-    lists = ("SYNTHETIC block lists: " if first.synthetic else "Block lists: ") + (
-        f"{first.source}; "
-        + "; ".join(r["text"] for r in job.list_records.values())
-        + ". "
-        + " ".join(n[0].upper() + n[1:] + "." for n in first.notes)
-    )
-    return {
-        "setup": (
-            f"NIXL descriptors and time per READ: real NIXL "
-            f"{package_version('nixl')} over UCX on host DRAM; each variant's own "
-            "tree in its own process, the decoder's own read path "
-            "(_read_blocks_for_req) between pull workers with real registration "
-            "and handshake. Layouts planned and allocated by vLLM's own planner "
-            "and allocator (checks/layout_zoo.py) at 78 layers, pages 1/64 of "
-            "GLM-5.3's (zoo scale 4, 4-token pages); block lists of "
-            f"{first.num_blocks:,}-block pools, each READ's ids compacted onto "
-            f"{job.layout_blocks:,}-block layouts (runs kept). Per variant 1 cold "
-            f"READ + {args.transfers} READs x {args.repeat} pass(es); "
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the "
-            "end."
-        ),
-        "rig": job_rig.QUIET_RIG + " " + job_rig.idle_text(job.idle),
-        "lists_summary": lists,
-        "verification": {
-            "mode": args.verify,
-            "reads_verified": verified,
-            "reads": reads,
-            "text": f"Bytes: verified {what} against the prefiller's pages (and "
-            "the NIXL floor's pieces against theirs); every decoder allocation "
-            "scanned for stray bytes after the cold READs and at the end; "
-            + ("all matched." if all_ok else "MISMATCHES (see notes)."),
-        },
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -519,7 +486,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         job.close()
     job_summary.add_vs_stock(rows)
-    texts = _texts(job, rows)
+    texts = job_summary.texts(
+        args,
+        rows,
+        job.raw,
+        job.list_records,
+        job.layout_blocks,
+        job_rig.QUIET_RIG + " " + job_rig.idle_text(job.idle),
+    )
     payload = {
         "benchmark": "nixl_main_job",
         "schema": report.SCHEMA,

@@ -306,13 +306,15 @@ def _legend(payload: dict[str, Any]) -> list[str]:
         for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
             sw = r["switches"]
             layout = r["layout"] or {}
-            res = facts.get(r["variant"], {}).get("resolution")
-            resolved = (
-                f" (resolved: supported {'/'.join(res['supported'][:3])}..., "
-                f"connector {res['connector']})"
-                if res and "{" in s["prefiller"]
-                else ""
-            )
+            res = facts.get(r["variant"], {}).get("resolution", {}).get(s["key"])
+            resolved = ""
+            if res and "error" in res:
+                resolved = f" (layout resolution failed: {res['error']})"
+            elif res:
+                resolved = (
+                    f" (resolved {res['resolved']}: supported "
+                    f"{'/'.join(res['supported'])}, connector {res['connector']})"
+                )
             lines.append(
                 f"    {r['label']}: {layout.get('prefiller', '?')} -> "
                 f"{layout.get('decoder', '?')}{resolved}; order {sw['order']}, pool "
