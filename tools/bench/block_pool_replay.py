@@ -165,14 +165,16 @@ def make_manager(args, policy: str) -> KVCacheManager:
         ],
     )
     # The Scheduler builds the manager with its connector's choice; here the
-    # policy is given directly.
+    # policy is given directly (stock's manager has no such argument: it only
+    # has the queue order).
+    order = {"sort_new_blocks": True} if policy == "sorted" else {}
     return KVCacheManager(
         config,
         max_model_len=args.max_input_tokens + args.block_size,
         scheduler_block_size=args.block_size,
         hash_block_size=args.block_size,
         enable_caching=True,
-        sort_new_blocks=policy == "sorted",
+        **order,
     )
 
 

@@ -9,7 +9,7 @@ uses) are that tree's. It then answers the driver's commands over a pipe:
 - ``hello``: what the tree ships, by feature: ordered transfers
   (``sort_block_pairs``), the block pool's order under a NixlConnector (a
   real Scheduler of the tree binds one), coalesced reads
-  (``VLLM_NIXL_COALESCE_REGIONS``' default), whether it reads
+  (the pull worker plans them), whether it reads
   ``mirror_host_buffers``.
 - ``resolve``: the layout the tree resolves by default for a model
   (``resolve_kv_cache_layout`` with a NixlConnector config, the model's specs
@@ -58,7 +58,6 @@ def _use_tree(tree: str) -> None:
     ]
     sys.path[:] = [tree, *keep]
     os.environ.pop("VLLM_BLOCK_POOL_ALLOCATION_POLICY", None)
-    os.environ.pop("VLLM_NIXL_COALESCE_REGIONS", None)
     os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
 
 
@@ -79,8 +78,12 @@ def _with_extra_config(layout: Any, extra: dict[str, Any]) -> Any:
 class Side:
     """One worker of the pair, its layout and whether it stages."""
 
-    def __init__(self, worker: Any, layout: Any, stages: bool) -> None:
+    def __init__(
+        self, worker: Any, layout: Any, stages: bool, device_raws: int
+    ) -> None:
         self.worker, self.layout, self.stages = worker, layout, stages
+        # layout.raws[:device_raws] are the device caches, the rest staging.
+        self.device_raws = device_raws
         self.agent = worker.nixl_wrapper.name
         self.groups = len(worker.kv_cache_config.transfer_groups)
 
@@ -105,6 +108,7 @@ class Child:
         self.decode: Side | None = None
         self.transfers: list[Any] = []
         self.used_pairs: set[str] = set()
+        self.disjoint_groups = False
         # Device layouts kept for later phases (the driver names them), with
         # the number of allocations they had before this phase's workers.
         self.layouts: dict[tuple[str, str], Any] = {}
@@ -117,15 +121,13 @@ class Child:
         import torch
 
         torch.set_num_threads(torch_threads)
-        import vllm.envs as envs
-        from job_nixl import Copier, Recorder
-        from job_noise import filter_library_handlers
-        from vllm.distributed.nixl_utils import NixlWrapper
-
         import checks.layout_zoo as zoo
         import vllm
         from checks.real_nixl import probe_real_nixl
+        from job_nixl import Copier, Recorder
+        from job_noise import filter_library_handlers
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
+        from vllm.distributed.nixl_utils import NixlWrapper
 
         filter_library_handlers()
         reason = probe_real_nixl()
@@ -135,9 +137,9 @@ class Child:
         self.recorder = Recorder()
         self.recorder.install(NixlWrapper)
         self.copier = Copier()
-        coalesce = "VLLM_NIXL_COALESCE_REGIONS" in envs.environment_variables and bool(
-            envs.VLLM_NIXL_COALESCE_REGIONS
-        )
+        # 0006 ships coalesced reads on, without a switch: a tree has them
+        # when its pull worker plans them.
+        coalesce = hasattr(pull_worker, "plan_coalesced_reads")
         self.coalesce = coalesce
         nixl_dir = Path(self.spec["tree"]) / NIXL_PACKAGE
         reads_mirror = any(
@@ -247,23 +249,35 @@ class Child:
         transfers: list[dict],
         num_blocks: int,
         seed: int,
+        model_geometry: bool = False,
+        disjoint_groups: bool = False,
     ) -> dict[str, Any]:
-        """Build and connect the pair; report what it registered."""
+        """Build and connect the pair; report what it registered.
+
+        With ``model_geometry`` the zoo model's own block size and layer count
+        (``layout_zoo._MODEL_FAMILIES``) replace the job's. With
+        ``disjoint_groups`` each transfer group reads its own contiguous share
+        of the request's block list (``group_lists``), as groups that overlay
+        one block row must: a block belongs to one group at a time.
+        """
         from job_lists import Transfer
 
         zoo = self.zoo
+        self.disjoint_groups = disjoint_groups
         kwargs = dict(
             num_blocks=num_blocks,
-            num_layers=NUM_LAYERS,
+            num_layers=None if model_geometry else NUM_LAYERS,
             scale=ZOO_SCALE,
-            block_size=PAGE_TOKENS,
+            block_size=None if model_geometry else PAGE_TOKENS,
         )
         self.transfers = [Transfer(**t) for t in transfers]
         p_layout = self._layout(p_name, "P", kwargs, seed)
         d_layout = self._layout(d_name, "D", kwargs, seed)
         staging = None
         if recipe and (pairing["p_stages"] or pairing["d_stages"]):
-            staging = zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 16}))
+            # Only its configuration is used: a small pool (64 blocks: the
+            # DeepSeek-V4 planner refuses fewer for its window and state groups).
+            staging = zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 64}))
         sides = []
         for role, layout, stages in (
             ("P", p_layout, pairing["p_stages"]),
@@ -293,7 +307,7 @@ class Child:
             # resident: no copy or READ pays first-touch page faults).
             for raw in layout.raws[raws:]:
                 raw.zero_()
-            sides.append(Side(worker, layout, stages))
+            sides.append(Side(worker, layout, stages, device_raws=raws))
         self.prefill, self.decode = sides
         self.recorder.watch(self.decode.agent)
         info: dict[str, Any] = {
@@ -318,7 +332,8 @@ class Child:
             # The prefiller's device caches never change: one copy of every
             # block to its host buffers (untimed) makes every READ move
             # current bytes; the sampled READs time the request's own copy.
-            self._save_to_host("all-blocks", list(range(num_blocks)))
+            every = list(range(num_blocks))
+            self._save_to_host("all-blocks", [every] * self.prefill.groups)
         info |= self._read_list(info["registered"]["decoder"])
         return info
 
@@ -358,7 +373,16 @@ class Child:
             "coalesce_summary": reads.plan.summary(),
         }
 
-    def _save_to_host(self, rid: str, ids: list[int]) -> float:
+    def group_lists(self, ids: list[int], groups: int) -> list[list[int]]:
+        """The block list of each transfer group: the request's whole list, or
+        (``disjoint_groups``) group ``g`` takes the ``g``-th of ``groups``
+        contiguous shares of it."""
+        if not self.disjoint_groups:
+            return [ids] * groups
+        n = len(ids)
+        return [ids[g * n // groups : (g + 1) * n // groups] for g in range(groups)]
+
+    def _save_to_host(self, rid: str, ids: list[list[int]]) -> float:
         """The prefiller's d2h staging copy of the blocks; returns ms."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
@@ -366,16 +390,15 @@ class Child:
 
         assert self.prefill is not None
         meta = NixlConnectorMetadata()
-        meta.add_new_req_to_save(rid, [ids] * self.prefill.groups, {})
+        meta.add_new_req_to_save(rid, ids, {})
         start = time.perf_counter()
         self.prefill.worker.save_kv_to_host(meta)
         return (time.perf_counter() - start) * 1e3
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
-        from job_nixl import floor_offsets, verify_and_zero
-
         from checks.real_nixl import pull_request
+        from job_nixl import floor_offsets, verify_and_zero, zero_rows
 
         prefill, decode, copier = self.prefill, self.decode, self.copier
         assert prefill is not None and decode is not None
@@ -388,14 +411,13 @@ class Child:
         if prefill.stages and sampled:
             # The request's whole block list, as a prefiller saves it.
             copier.evict()
-            d2h = self._save_to_host(t.rid, t.prefill_ids)
+            d2h = self._save_to_host(
+                t.rid, self.group_lists(t.prefill_ids, prefill.groups)
+            )
         copier.evict()
-        result = pull_request(
-            decode.worker,
-            prefill.worker,
-            [t.local_ids] * decode.groups,
-            [t.remote_ids] * decode.groups,
-        )
+        local_lists = self.group_lists(t.local_ids, decode.groups)
+        remote_lists = self.group_lists(t.remote_ids, decode.groups)
+        result = pull_request(decode.worker, prefill.worker, local_lists, remote_lists)
         # Nobody consumes the prefiller's READ notifications here; drop them.
         prefill.worker.nixl_wrapper.get_new_notifs()
         dst, src, n = self.recorder.pieces(
@@ -406,7 +428,7 @@ class Child:
             # the bytes in the host buffers (zeroed with the memmove floor).
             start = time.perf_counter()
             decode.worker.sync_recved_kv_to_device(
-                t.rid, SimpleNamespace(local_physical_block_ids=[t.local_ids])
+                t.rid, SimpleNamespace(local_physical_block_ids=local_lists)
             )
             h2d = (time.perf_counter() - start) * 1e3
         ok = True
@@ -419,7 +441,32 @@ class Child:
             )
         verified = False
         if verify:
-            good, compared = verify_and_zero(decode.layout, prefill.layout, t)
+            good, compared = True, 0
+            groups = decode.worker.kv_cache_config.transfer_groups
+            for group, local, remote in zip(
+                groups, local_lists, remote_lists, strict=True
+            ):
+                part = replace(t, local_ids=local, remote_ids=remote)
+                names = None if not self.disjoint_groups else set(group.layer_names)
+                ok_g, n_g = verify_and_zero(
+                    decode.layout, prefill.layout, part, names=names
+                )
+                good, compared = good and ok_g, compared + n_g
+                if names is None:
+                    break  # every layer compared at the request's whole list
+            if self.disjoint_groups:
+                # Overlaid groups: a READ (and a mirrored h2d copy) moves whole
+                # block rows, the bytes past a group's pages included, as
+                # stock does. Pages were compared; the rest of the request's
+                # rows is zeroed here, so the stray scan still catches any
+                # byte written outside the request's blocks.
+                good = good and compared <= result.total_bytes
+                compared = result.total_bytes if good else compared
+                zero_rows(
+                    decode.layout.raws[: decode.device_raws],
+                    decode.layout.kv_cache_config.num_blocks,
+                    t.local_ids,
+                )
             if not good or compared != result.total_bytes:
                 ok = False
                 notes.append(

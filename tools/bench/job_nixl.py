@@ -382,7 +382,7 @@ def _pair_runs(t: Any) -> list[tuple[int, int, int]]:
 
 
 def verify_and_zero(
-    decode_layout: Any, prefill_layout: Any, t: Any
+    decode_layout: Any, prefill_layout: Any, t: Any, names: set[str] | None = None
 ) -> tuple[bool, int]:
     """Decoder pages ``[local_ids]`` equal prefiller pages ``[remote_ids]``.
 
@@ -391,7 +391,8 @@ def verify_and_zero(
     posted): slices per run of pairs consecutive on both sides when the runs
     are few, one gather per side otherwise. The decoder's pages are zeroed
     afterwards. Decoder caches the prefiller does not have (HiSparse
-    resident/hot buffers) are never transferred.
+    resident/hot buffers) are never transferred. ``names``: only these
+    layers (one transfer group's, when groups read disjoint blocks).
 
     Returns:
         ``(ok, bytes_compared)``.
@@ -402,7 +403,7 @@ def verify_and_zero(
     views = [
         (view, prefill_layout.kv_caches[name])
         for name, view in decode_layout.kv_caches.items()
-        if name in prefill_layout.kv_caches
+        if name in prefill_layout.kv_caches and (names is None or name in names)
     ]
     runs = _pair_runs(t)
     ok, compared = True, 0
@@ -423,6 +424,15 @@ def verify_and_zero(
         compared += got.numel() * got.element_size()
         got_view.index_fill_(0, local, 0)
     return ok, compared
+
+
+def zero_rows(raws: Sequence[Any], num_blocks: int, ids: Sequence[int]) -> None:
+    """Zero block rows ``ids`` of block-outermost allocations (one row a block)."""
+    import torch
+
+    local = torch.as_tensor(ids, dtype=torch.long)
+    for raw in raws:
+        raw.view(num_blocks, -1).index_fill_(0, local, 0)
 
 
 def zero_views(layout: Any, ids: Sequence[int]) -> None:

@@ -9,22 +9,9 @@ several pairings (host staging: on both sides, on the decoder only), each a
 group of rows, and may add rows for configuration levers (``CONFIG_LEVERS``)
 that the series ships off by default.
 
-Adding a scenario is one ``Scenario(...)`` entry in ``SCENARIOS``, e.g. for a
-DeepSeek-V4 row (once the zoo builds ``dsv4/BLHNC``)::
-
-    Scenario(
-        "dsv4-row", "(6)", "DeepSeek-V4 row", "dsv4/BLHNC", "dsv4/BLHNC",
-        description="...",
-    ),
-
-or, to read the layout each tree resolves by default for that model::
-
-    Scenario(
-        "dsv4-default", "(6)", "DeepSeek-V4, default layout",
-        "dsv4/{layout}", "dsv4/{layout}",
-        default_layout=DefaultLayout("dsv4", ("vllm....:DeepseekV4IndexerBackend",
-                                              ...)),
-    ),
+Adding a scenario is one ``Scenario(...)`` entry in ``SCENARIOS`` (see the
+DeepSeek-V4 ones); ``default_layout`` reads the layout each tree resolves by
+default for the model instead of a fixed one.
 
 Nothing here imports vLLM: the driver process reads this module before any
 variant's tree is imported.
@@ -68,12 +55,18 @@ class Pairing:
         label: Row-group label (``""`` when the scenario has one pairing).
         p_stages: The prefiller stages.
         d_stages: The decoder stages.
+        stock_bug: Stock moves wrong bytes on this pairing (the layout zoo's
+            ``pairing_matrix.STOCK_CORRUPTS``): what goes wrong. Its row then
+            reports ``wrong bytes`` instead of figures, and the job does not
+            fail on it; a stock row that is right fails the job (the entry
+            is stale).
 
     """
 
     label: str = ""
     p_stages: bool = False
     d_stages: bool = False
+    stock_bug: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +116,13 @@ class Scenario:
         config_levers: ``CONFIG_LEVERS`` names that get a row on the whole
             series (where the series' tree reads them).
         synthetic_layout: Hand-built layout vLLM never builds.
+        model_geometry: Build the zoo model's own block size and layer count
+            (DeepSeek-V4: 256-token blocks, 8 layers + MTP) instead of the
+            job's 78 layers of 4-token pages.
+        disjoint_groups: The transfer groups overlay one block row, so each
+            reads its own contiguous share of a request's block list (SYNTHETIC
+            split: the replay allocates one group); else every group reads
+            the whole list.
         description: One line for the legend.
 
     """
@@ -137,6 +137,8 @@ class Scenario:
     staging_recipe: str | None = None
     config_levers: tuple[str, ...] = ()
     synthetic_layout: bool = False
+    model_geometry: bool = False
+    disjoint_groups: bool = False
     description: str = ""
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
@@ -201,8 +203,37 @@ SCENARIOS = (
         "per-layer MLA pages (101 regions) on the decoder",
     ),
     Scenario(
+        "dsv4",
+        "(6)",
+        "DeepSeek-V4-Flash + MTP row",
+        "dsv4-mtp/BLHNC",
+        "dsv4-mtp/BLHNC",
+        pairings=(
+            Pairing(),
+            Pairing(
+                "P+D staging",
+                p_stages=True,
+                d_stages=True,
+                stock_bug="per-layer h2d staging copies every layer for every "
+                "group's blocks over the aliased row (fixed by 0001)",
+            ),
+        ),
+        staging_recipe="dsv4-mtp+host-staging/BLHNC",
+        config_levers=("mirror_host_buffers",),
+        model_geometry=True,
+        disjoint_groups=True,
+        description="8 layers + MTP at the model's page sizes and 256-token "
+        "blocks; each transfer group reads its own contiguous share of the "
+        "replayed list (SYNTHETIC split); six transfer groups (SWA, C4A/C128A "
+        "compressed caches, indexer K, compressor states) aliasing one "
+        "whole-row region from byte 0, mixed page sizes (BLHNC only); READs "
+        "move whole block rows, as stock does; P+D staging: per-layer host buffers "
+        "on both sides (a per-layer staging decoder from a device prefiller is "
+        "refused by stock and the series alike), mirrored staging opt-in",
+    ),
+    Scenario(
         "two-storage",
-        "(5)",
+        "(7)",
         "two-storage row, SYNTHETIC layout",
         "synthetic/glm-draft-storage",
         "synthetic/glm-draft-storage",

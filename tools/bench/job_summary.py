@@ -208,6 +208,21 @@ def row_record(
     }
 
 
+def stock_bug_record(row: dict[str, Any], bug: str) -> dict[str, Any]:
+    """Stock's row of a pairing it corrupts (``Pairing.stock_bug``).
+
+    Wrong bytes, as expected: ``wrong bytes`` with the bug instead of figures.
+    Right bytes: the row stays measured and fails the job (``stale``), since the
+    scenario's claim no longer holds.
+    """
+    if row["verification"]["bytes_verified"]:
+        return row | {
+            "status": "failed",
+            "error": f"stale stock_bug: stock moved the right bytes ({bug})",
+        }
+    return row | {"status": "wrong bytes", "error": bug}
+
+
 def failed_record(base: dict[str, Any], status: str, error: str) -> dict[str, Any]:
     """A row whose pair could not be built or connected (e.g. a refusal)."""
     lines = [ln for ln in error.strip().splitlines() if ln.strip()]

@@ -356,8 +356,10 @@ class Job:
         pool = max(lists.num_blocks for lists in raw.values())
         self.layout_blocks = min(-(-span // 256) * 256, pool)
 
-    def members(self, scenario: Scenario) -> list[Variant]:
-        levers = scenario.config_levers
+    def members(self, scenario: Scenario, pairing: Pairing) -> list[Variant]:
+        # The configuration levers (host staging's) apply where a side stages.
+        stages = pairing.p_stages or pairing.d_stages
+        levers = scenario.config_levers if stages else ()
         return [v for v in self.chosen if v.lever is None or v.lever in levers]
 
     def phase(
@@ -368,7 +370,7 @@ class Job:
     ) -> list[dict[str, Any]]:
         """Build every variant's pair, READ them in turn, tear down."""
         args, where = self.args, f"{scenario.key} {pairing.label}".strip()
-        members = self.members(scenario)
+        members = self.members(scenario, pairing)
         unresolved = {}
         for v in members:
             try:
@@ -385,6 +387,8 @@ class Job:
                 transfers=[asdict(t) for t in self.per_variant[v.key]["transfers"]],
                 num_blocks=self.layout_blocks,
                 seed=args.seed,
+                model_geometry=scenario.model_geometry,
+                disjoint_groups=scenario.disjoint_groups,
             )
         rows, built, infos, stray = [], [], {}, {}
         for v in members:
@@ -430,12 +434,15 @@ class Job:
                     scenario, pairing, v, self.facts, infos[v.key]
                 )
                 found = phase.stray.get(v.key, [])
-                rows.append(job_summary.row_record(base, phase.results[v.key], found))
+                row = job_summary.row_record(base, phase.results[v.key], found)
+                if pairing.stock_bug and v.key == "stock":
+                    row = job_summary.stock_bug_record(row, pairing.stock_bug)
+                rows.append(row)
         for v in members:  # keep the device layouts later phases read
             keep = []
-            for s, _ in later:
+            for s, p in later:
                 with contextlib.suppress(ValueError):
-                    if v in self.members(s):
+                    if v in self.members(s, p):
                         keep += [
                             list(k) for k in zip(self.layouts(s, v), "PD", strict=True)
                         ]
@@ -449,7 +456,9 @@ class Job:
 
     def close(self) -> None:
         for proc in self.procs.values():
-            for k, n in (proc.close() or {}).items():
+            counts = proc.close()
+            # After a failed command a process may answer with a stale reply.
+            for k, n in (counts if isinstance(counts, dict) else {}).items():
                 NOISE.hidden[k] = NOISE.hidden.get(k, 0) + n
         if self.floor is not None:
             self.floor.close()
