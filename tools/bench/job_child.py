@@ -121,13 +121,14 @@ class Child:
         import torch
 
         torch.set_num_threads(torch_threads)
+        from job_nixl import Copier, Recorder
+        from job_noise import filter_library_handlers
+        from vllm.distributed.nixl_utils import NixlWrapper
+
         import checks.layout_zoo as zoo
         import vllm
         from checks.real_nixl import probe_real_nixl
-        from job_nixl import Copier, Recorder
-        from job_noise import filter_library_handlers
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
-        from vllm.distributed.nixl_utils import NixlWrapper
 
         filter_library_handlers()
         reason = probe_real_nixl()
@@ -397,8 +398,9 @@ class Child:
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
-        from checks.real_nixl import pull_request
         from job_nixl import floor_offsets, verify_and_zero, zero_rows
+
+        from checks.real_nixl import pull_request
 
         prefill, decode, copier = self.prefill, self.decode, self.copier
         assert prefill is not None and decode is not None
