@@ -201,6 +201,17 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         'ret.sort(key=attrgetter("block_id"))',
         "pass",
     ),
+    # The eviction-equivalence test: sorting before the popped blocks are
+    # evicted and notified changes the order of KV events and reuse calls.
+    (
+        "v1/core/test_block_pool_allocation_order.py"
+        "::test_sorted_pool_is_the_queue_pool_reordered",
+        "vllm/v1/core/block_pool.py",
+        "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n",
+        "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n"
+        "        if self.sort_new_blocks:\n"
+        '            ret.sort(key=attrgetter("block_id"))\n',
+    ),
     (
         "v1/kv_connector/unit/test_nixl_host_staging.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/host_staging.py",

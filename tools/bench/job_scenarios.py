@@ -116,9 +116,11 @@ class Scenario:
         config_levers: ``CONFIG_LEVERS`` names that get a row on the whole
             series (where the series' tree reads them).
         synthetic_layout: Hand-built layout vLLM never builds.
-        model_geometry: Build the zoo model's own block size and layer count
-            (DeepSeek-V4: 256-token blocks, 8 layers + MTP) instead of the
-            job's 78 layers of 4-token pages.
+        model_block_tokens: The zoo model's own block size (DeepSeek-V4: 256
+            tokens): its layouts are built at that block size and its layer
+            count (8 layers + MTP) instead of the job's 78 layers of 4-token
+            pages, and its block lists are replayed through pools of that
+            block size holding the same tokens.
         disjoint_groups: The transfer groups overlay one block row, so each
             reads its own contiguous share of a request's block list (SYNTHETIC
             split: the replay allocates one group); else every group reads
@@ -137,7 +139,7 @@ class Scenario:
     staging_recipe: str | None = None
     config_levers: tuple[str, ...] = ()
     synthetic_layout: bool = False
-    model_geometry: bool = False
+    model_block_tokens: int | None = None
     disjoint_groups: bool = False
     description: str = ""
 
@@ -220,11 +222,12 @@ SCENARIOS = (
         ),
         staging_recipe="dsv4-mtp+host-staging/BLHNC",
         config_levers=("mirror_host_buffers",),
-        model_geometry=True,
+        model_block_tokens=256,
         disjoint_groups=True,
         description="8 layers + MTP at the model's page sizes and 256-token "
-        "blocks; each transfer group reads its own contiguous share of the "
-        "replayed list (SYNTHETIC split); six transfer groups (SWA, C4A/C128A "
+        "blocks, lists replayed through 256-token pools; each transfer group "
+        "reads its own contiguous share of a request's list (SYNTHETIC "
+        "split); six transfer groups (SWA, C4A/C128A "
         "compressed caches, indexer K, compressor states) aliasing one "
         "whole-row region from byte 0, mixed page sizes (BLHNC only); READs "
         "move whole block rows, as stock does; P+D staging: per-layer host buffers "

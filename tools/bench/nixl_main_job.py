@@ -139,6 +139,8 @@ PRELOAD = (
 # Files whose code makes a variant's block lists: equal code and pool order,
 # equal lists (the replay runs once per group).
 POOL_CODE = ("vllm/v1/core", "vllm/v1/request.py", "vllm/sampling_params.py")
+# The replay's block size (tools/bench/block_pool_replay.py --block-size).
+REPLAY_BLOCK_TOKENS = 64
 QUICK = {
     "transfers": 10,
     "warmup": 20,
@@ -334,27 +336,64 @@ class Job:
                 raw[lead] = job_lists.synthetic_block_lists(args, orders[lead]["D"])
         else:
             self.note(f"replaying the agentic workload ({len(groups)} pool order(s))")
-            keys = ("replay_args", "transfers", "warmup", "decode_tokens_per_step")
-            for group in groups:
-                lead = group[0].key
-                self.procs[lead].post(
-                    "lists",
-                    args={k: getattr(args, k) for k in keys},
-                    p_order=orders[lead]["P"],
-                    d_order=orders[lead]["D"],
-                )
-            for group in groups:
-                got = self.procs[group[0].key].collect()
-                transfers = [job_lists.Transfer(*t) for t in got["transfers"]]
-                raw[group[0].key] = job_lists.BlockLists(
-                    transfers, got["num_blocks"], got["source"], False, got["notes"]
-                )
+            raw = self._replay(groups, orders, "")
         self.raw = raw
-        self.step("block lists")
         self.per_variant, self.list_records = job_lists.assign(raw, groups, orders)
-        span = max(r["span"] for r in self.list_records.values())
-        pool = max(lists.num_blocks for lists in raw.values())
-        self.layout_blocks = min(-(-span // 256) * 256, pool)
+        self.layout_blocks = _layout_blocks(raw, self.list_records)
+        # Scenarios at a model's own block size read lists replayed through
+        # pools of that block size (same pool tokens, same workload).
+        self.by_block_tokens: dict[int, tuple[dict, dict, int]] = {}
+        for tokens in sorted(
+            {s.model_block_tokens for s in args.scenarios if s.model_block_tokens}
+        ):
+            if args.lists == "synthetic":  # the same lists, read as such blocks
+                self.by_block_tokens[tokens] = (
+                    self.per_variant,
+                    self.list_records,
+                    self.layout_blocks,
+                )
+                continue
+            pool_tokens = max(lists.num_blocks for lists in raw.values()) * (
+                REPLAY_BLOCK_TOKENS
+            )
+            extra = f" --block-size {tokens} --num-blocks {pool_tokens // tokens}"
+            self.note(f"replaying it with {tokens}-token blocks")
+            geo = self._replay(groups, orders, extra)
+            per_variant, records = job_lists.assign(geo, groups, orders)
+            blocks = _layout_blocks(geo, records)
+            self.by_block_tokens[tokens] = (per_variant, records, blocks)
+        self.step("block lists")
+
+    def _replay(
+        self, groups: list[list[Variant]], orders: dict[str, dict], extra: str
+    ) -> dict[str, job_lists.BlockLists]:
+        """One replay per group of equal pool code (``extra``: replay args)."""
+        args, raw = self.args, {}
+        keys = ("replay_args", "transfers", "warmup", "decode_tokens_per_step")
+        for group in groups:
+            lead = group[0].key
+            given = {k: getattr(args, k) for k in keys}
+            given["replay_args"] = (given["replay_args"] or "") + extra
+            self.procs[lead].post(
+                "lists",
+                args=given,
+                p_order=orders[lead]["P"],
+                d_order=orders[lead]["D"],
+            )
+        for group in groups:
+            got = self.procs[group[0].key].collect()
+            transfers = [job_lists.Transfer(*t) for t in got["transfers"]]
+            raw[group[0].key] = job_lists.BlockLists(
+                transfers, got["num_blocks"], got["source"], False, got["notes"]
+            )
+        return raw
+
+    def lists_for(self, scenario: Scenario) -> tuple[dict[str, Any], int]:
+        """Per-variant READs and the layout's block count for a scenario."""
+        if scenario.model_block_tokens:
+            per_variant, _, blocks = self.by_block_tokens[scenario.model_block_tokens]
+            return per_variant, blocks
+        return self.per_variant, self.layout_blocks
 
     def members(self, scenario: Scenario, pairing: Pairing) -> list[Variant]:
         # The configuration levers (host staging's) apply where a side stages.
@@ -371,6 +410,7 @@ class Job:
         """Build every variant's pair, READ them in turn, tear down."""
         args, where = self.args, f"{scenario.key} {pairing.label}".strip()
         members = self.members(scenario, pairing)
+        per_variant, num_blocks = self.lists_for(scenario)
         unresolved = {}
         for v in members:
             try:
@@ -384,10 +424,10 @@ class Job:
                 d_name=d_name,
                 pairing=asdict(pairing),
                 recipe=scenario.staging_recipe,
-                transfers=[asdict(t) for t in self.per_variant[v.key]["transfers"]],
-                num_blocks=self.layout_blocks,
+                transfers=[asdict(t) for t in per_variant[v.key]["transfers"]],
+                num_blocks=num_blocks,
                 seed=args.seed,
-                model_geometry=scenario.model_geometry,
+                model_geometry=scenario.model_block_tokens is not None,
                 disjoint_groups=scenario.disjoint_groups,
             )
         rows, built, infos, stray = [], [], {}, {}
@@ -420,7 +460,7 @@ class Job:
                 [self.procs[v.key] for v in built],
                 args.transfers + 1,
                 args.repeat,
-                {v.key: self.per_variant[v.key]["sampled"] for v in built},
+                {v.key: per_variant[v.key]["sampled"] for v in built},
                 args.verify == "every",
                 self.floor,
             )
@@ -462,6 +502,13 @@ class Job:
                 NOISE.hidden[k] = NOISE.hidden.get(k, 0) + n
         if self.floor is not None:
             self.floor.close()
+
+
+def _layout_blocks(raw: dict[str, Any], records: dict[str, dict[str, Any]]) -> int:
+    """Blocks per side: every compacted READ fits, rounded up to 256."""
+    span = max(r["span"] for r in records.values())
+    pool = max(lists.num_blocks for lists in raw.values())
+    return min(-(-span // 256) * 256, pool)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -540,6 +587,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "projection": PROJECTION,
         "definitions": job_summary.DEFINITIONS,
         "lists": job.list_records,
+        # Lists replayed at a scenario's own block size (model_block_tokens).
+        "lists_by_block_tokens": {
+            str(tokens): {"layout_blocks": blocks, "lists": records}
+            for tokens, (_, records, blocks) in job.by_block_tokens.items()
+        },
         "scenarios": [
             {
                 "key": s.key,
