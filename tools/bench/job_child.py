@@ -184,6 +184,7 @@ class Child:
         from vllm.distributed.kv_transfer.kv_connector.utils import (
             get_kv_connector_cache_layout,
         )
+        from vllm.platforms import current_platform
         from vllm.v1.attention.backends.utils import (
             get_supported_kv_cache_layouts,
             resolve_kv_cache_layout,
@@ -212,6 +213,10 @@ class Child:
             kv_connector_extra_config=dict(self.extra),
         )
         config.cache_config.kv_cache_layout = None
+        # What a user who sets nothing gets on a CUDA deployment (the backends
+        # above are CUDA's): the job's 4-token pages are a scaling of the
+        # model's, not a user's --block-size, and the host here is a CPU.
+        config.cache_config.user_specified_block_size = False
         # The test config's model is OPT (no GLM-5.3 config offline): it says
         # MLA as GLM-5.3's does (use_mla, is_deepseek_mla); the resolution and
         # the connector read nothing else of the model.
@@ -219,6 +224,7 @@ class Child:
         with (
             patch.object(ModelConfig, "use_mla", mla),
             patch.object(ModelConfig, "is_deepseek_mla", mla),
+            patch.object(current_platform, "is_cuda", lambda: True),
         ):
             connector = get_kv_connector_cache_layout(config)
             layout = resolve_kv_cache_layout(config, [supported], specs)
