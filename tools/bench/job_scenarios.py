@@ -166,8 +166,8 @@ SCENARIOS = (
         description="what a user gets without setting a layout: each tree "
         "resolves it (resolve_kv_cache_layout with a NixlConnector "
         "kv_transfer_config, the model's specs and its backends' declared "
-        "layouts, as on CUDA with no user block size); LBNHC registers one dense region per layer page (103), "
-        "BLHNC one whole-row region",
+        "layouts, as on CUDA with no user block size); LBNHC registers one "
+        "dense region per layer page (103), BLHNC one whole-row region",
     ),
     Scenario(
         "blhnc-row",
