@@ -337,10 +337,16 @@ class Child:
             return info | {"refused": f"{type(exc).__name__}: {exc}"}
         if self.prefill.stages:
             # The prefiller's device caches never change: one copy of every
-            # block to its host buffers (untimed) makes every READ move
-            # current bytes; the sampled READs time the request's own copy.
-            every = list(range(num_blocks))
-            self._save_to_host("all-blocks", [every] * self.prefill.groups)
+            # block a READ reads, per transfer group, to its host buffers
+            # (untimed) makes every READ move current bytes; the sampled
+            # READs time the request's own copy.
+            read: list[set[int]] = [set() for _ in range(self.prefill.groups)]
+            for t in self.transfers:
+                for ids, group_ids in zip(
+                    read, self.group_lists(t.remote_ids, len(read)), strict=True
+                ):
+                    ids.update(group_ids)
+            self._save_to_host("read-blocks", [sorted(ids) for ids in read])
         info |= self._read_list(info["registered"]["decoder"])
         return info
 
