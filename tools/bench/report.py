@@ -209,7 +209,7 @@ def _proj_notes(payload: dict[str, Any]) -> list[str]:
         "posted. Sources:"
     ]
     lines += [
-        f"    {src['ref']} ({src['url']}): {src['text']}" for src in proj["sources"]
+        f"    {src['ref']} (<{src['url']}>): {src['text']}" for src in proj["sources"]
     ]
     lines.append(f"    {proj['assumption']}")
     return lines
