@@ -177,7 +177,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument(
         "--transfers",
         type=int,
-        default=40,
+        default=32,
         help="READs per variant and pass after the cold one",
     )
     run.add_argument(
