@@ -455,33 +455,35 @@ class Child:
             )
         verified = False
         if verify:
-            good, compared = True, 0
-            groups = decode.worker.kv_cache_config.transfer_groups
-            for group, local, remote in zip(
-                groups, local_lists, remote_lists, strict=True
-            ):
-                part = replace(t, local_ids=local, remote_ids=remote)
-                names = None if not self.disjoint_groups else set(group.layer_names)
-                ok_g, n_g = verify_and_zero(
-                    decode.layout, prefill.layout, part, names=names
-                )
-                good, compared = good and ok_g, compared + n_g
-                if names is None:
-                    break  # every layer compared at the request's whole list
             if self.disjoint_groups:
-                # Overlaid groups: a READ (and a mirrored h2d copy) moves whole
-                # block rows, the bytes past a group's pages included, as
-                # stock does. Pages were compared; the rest of the request's
-                # rows is zeroed here, so the stray scan still catches any
-                # byte written outside the request's blocks.
-                good = good and compared <= result.total_bytes
-                compared = result.total_bytes if good else compared
+                # Overlaid groups: each group's pages at its own blocks.
+                good, compared = True, 0
+                for group, local, remote in zip(
+                    decode.worker.kv_cache_config.transfer_groups,
+                    local_lists,
+                    remote_lists,
+                    strict=True,
+                ):
+                    part = replace(t, local_ids=local, remote_ids=remote)
+                    ok_g, n_g = verify_and_zero(
+                        decode.layout, prefill.layout, part, set(group.layer_names)
+                    )
+                    good, compared = good and ok_g, compared + n_g
+                # A READ (and a mirrored h2d copy) moves whole block rows, the
+                # bytes past a group's pages included, as stock does. Pages
+                # were compared; the rest of the request's rows is zeroed
+                # here, so the stray scan still catches any byte written
+                # outside the request's blocks.
+                complete = compared <= result.total_bytes
                 zero_rows(
                     decode.layout.raws[: decode.device_raws],
                     decode.layout.kv_cache_config.num_blocks,
                     t.local_ids,
                 )
-            if not good or compared != result.total_bytes:
+            else:
+                good, compared = verify_and_zero(decode.layout, prefill.layout, t)
+                complete = compared == result.total_bytes
+            if not good or not complete:
                 ok = False
                 notes.append(
                     f"READ {index}: bytes differ (checked {compared:,} of "
