@@ -60,7 +60,7 @@ BUILD_IDENTITY = ("vLLM NIXL series (local build)", "build@localhost.invalid")
 # The series was written with an AI assistant; upstream's contributing guide
 # asks for a trailer on every such commit (and a note in the PR description,
 # which the cover letters carry).
-AI_TRAILER = "Co-authored-by: Claude"
+AI_TRAILER = "Assisted-by: Claude"
 
 ROOT = Path(__file__).resolve().parent.parent
 DIFF_DIR = ROOT / "series" / "diffs"

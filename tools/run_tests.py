@@ -170,6 +170,28 @@ CHECKS_OUT = ROOT / "build" / "checks"
 # One deliberate break per exported test file: (test file under tests/, file
 # of the fork, text to replace, replacement). The test file must fail on it.
 MUTATIONS: list[tuple[str, str, str, str]] = [
+    # A peer page read at the row's start instead of its layer's offset.
+    (
+        "v1/kv_connector/unit/test_nixl_row_pages.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/row_pages.py",
+        "base=row.base + member.offset,",
+        "base=row.base,",
+    ),
+    # A row shared by groups advertised whole (0.33.0 decoders refuse it).
+    (
+        "v1/kv_connector/unit/test_nixl_desc_geometry.py"
+        "::test_packed_mla_pp1_transfers_whole_rows",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "self._advertise_shared_row_pages(agent_metadata)",
+        "pass",
+    ),
+    # MultiConnector forwarding a preference a sub-connector did not state.
+    (
+        "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
+        "return layouts.pop() if len(layouts) == 1 else None",
+        "return next(iter(layouts - {None}), None)",
+    ),
     (
         "v1/kv_connector/unit/test_nixl_host_staging_groups.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
@@ -831,7 +853,12 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         merged |= json.loads((CHECKS_OUT / f"stock-{shard}.json").read_text())
     oracle = CHECKS_OUT / "stock_matrix.json"
     oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
-    cenv = dict(env, PYTHONPATH=f"{TREE}{os.pathsep}{ROOT}", STOCK_MATRIX=str(oracle))
+    cenv = dict(
+        env,
+        PYTHONPATH=f"{TREE}{os.pathsep}{ROOT}",
+        STOCK_MATRIX=str(oracle),
+        STOCK_TREE=str(stock),
+    )
     res = run_pytest(suite.name, ["checks"], None, suite.workers, log, cenv, cwd=ROOT)
     res.note = f"{len(merged)} stock cases; " + res.note.replace("1 file", "checks/")
     return res

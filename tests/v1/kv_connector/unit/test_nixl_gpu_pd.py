@@ -4,7 +4,10 @@
 
 One prefill and one decode engine of a tiny DeepSeek-V2 (MLA) model with
 dummy weights, with the NIXL connector and no KV cache layout set, so the
-layout is the one NixlConnector resolves for MLA (BLHNC). The decoder's
+layout is the one NixlConnector resolves for MLA (BLHNC), reading VRAM or
+host staging buffers that mirror it (``mirror_host_buffers``), and once
+with the prefiller set to LBNHC (per-layer pages, as a 0.33.0 instance
+registers them), which the decoder reads into its rows. The decoder's
 tokens from the prefiller's KV must equal the ones it produces from its own
 prefix cache.
 """
@@ -64,7 +67,7 @@ PROMPT_LEN = 4 * 64 + 1
 MAX_TOKENS = 8
 
 
-def _make_llm(model_dir: Path, side_channel_port: int):
+def _make_llm(model_dir: Path, side_channel_port: int, staging: bool):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -76,7 +79,7 @@ def _make_llm(model_dir: Path, side_channel_port: int):
         load_format="dummy",
         enforce_eager=True,
         gpu_memory_utilization=0.3,
-        # A small pool: quick to register.
+        # A small pool: quick to register, and a small host staging buffer.
         num_gpu_blocks_override=256,
         max_model_len=1024,
         max_num_seqs=4,
@@ -84,6 +87,8 @@ def _make_llm(model_dir: Path, side_channel_port: int):
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlConnector",
             kv_role="kv_both",
+            kv_buffer_device="cpu" if staging else "cuda",
+            kv_connector_extra_config={"mirror_host_buffers": staging},
         ),
     )
 
@@ -94,7 +99,16 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
-def test_tiny_mla_pd_decode_matches_local_decode(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "staging, prefill_layout",
+    [(False, None), (True, None), (False, "LBNHC")],
+    # An LBNHC prefiller registers per-layer pages, as a 0.33.0 instance does:
+    # the BLHNC decoder reads them into its rows page by page.
+    ids=["vram", "mirrored-staging", "lbnhc-prefiller"],
+)
+def test_tiny_mla_pd_decode_matches_local_decode(
+    tmp_path, monkeypatch, staging, prefill_layout
+):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -115,8 +129,11 @@ def test_tiny_mla_pd_decode_matches_local_decode(tmp_path, monkeypatch):
         decode_port = get_open_port()
         while decode_port == prefill_port:
             decode_port = get_open_port()
-        prefill = _make_llm(model_dir, prefill_port)
-        decode = _make_llm(model_dir, decode_port)
+        if prefill_layout is not None:
+            monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", prefill_layout)
+        prefill = _make_llm(model_dir, prefill_port, staging)
+        monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+        decode = _make_llm(model_dir, decode_port, staging)
 
         # Prefill on P, kept for a remote decode.
         (p_out,) = prefill.generate(

@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The KV cache layout the NIXL connector prefers, and what it registers."""
 
+import importlib
 import logging
 import uuid
 from contextlib import ExitStack
@@ -16,7 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nc
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.attention.backends.utils import (
+    get_supported_kv_cache_layouts,
+    resolve_kv_cache_layout,
+)
 from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
@@ -49,7 +53,7 @@ def _mla_specs():
     return specs
 
 
-def _config(use_mla=True, cuda=True, **config_kwargs):
+def _config(use_mla=True, **config_kwargs):
     config = create_vllm_config(block_size=BLOCK_SIZE, **config_kwargs)
     # A served model's block size comes from its backends unless set by hand.
     config.cache_config.user_specified_block_size = False
@@ -60,7 +64,6 @@ def _config(use_mla=True, cuda=True, **config_kwargs):
             ModelConfig, "use_mla", new_callable=PropertyMock, return_value=use_mla
         )
     )
-    stack.enter_context(patch.object(nc.current_platform, "is_cuda", lambda: cuda))
     return config, stack
 
 
@@ -86,17 +89,16 @@ def test_mla_resolves_to_block_outermost_rows(caplog_vllm):
 
 
 @pytest.mark.parametrize(
-    "use_mla, cuda, user_block_size, expected",
+    "use_mla, user_block_size, expected",
     [
         # Head-sharded pages: the layout NIXL requires for heterogeneous TP.
-        (False, True, False, KVCacheLayout.LBHNC),
+        (False, False, KVCacheLayout.LBHNC),
         # No preference: the backends' first choice.
-        (True, False, False, KVCacheLayout.LBNHC),
-        (True, True, True, KVCacheLayout.LBNHC),
+        (True, True, KVCacheLayout.LBNHC),
     ],
 )
-def test_other_models_keep_their_layout(use_mla, cuda, user_block_size, expected):
-    config, stack = _config(use_mla=use_mla, cuda=cuda)
+def test_other_models_keep_their_layout(use_mla, user_block_size, expected):
+    config, stack = _config(use_mla=use_mla)
     config.cache_config.user_specified_block_size = user_block_size
     with stack:
         assert _resolve(config) == expected
@@ -115,6 +117,54 @@ def test_the_preference_yields_to_backends_without_a_warning(caplog_vllm):
     with stack:
         assert _resolve(config, [["LBNHC", "LBHNC"]]) == KVCacheLayout.LBNHC
     assert not _warnings(caplog_vllm)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "rocm_aiter_mla:AiterMLABackend",
+        "aiter_triton_mla:AiterTritonMLABackend",
+        "xpu_mla_sparse:XPUMLASparseBackend",
+        "cpu_mla:CPUMLABackend",
+        "amx_mla:AMXMLABackend",
+        "tokenspeed_mla:TokenspeedMLABackend",
+    ],
+)
+def test_backends_that_view_layers_flat_keep_layer_outermost(backend):
+    # Their kernels .view(-1, ...) each layer's cache, which a layer view of
+    # a block-outermost row cannot be.
+    module, _, name = backend.partition(":")
+    cls = getattr(
+        importlib.import_module(f"vllm.v1.attention.backends.mla.{module}"), name
+    )
+    supported = [[layout.name for layout in get_supported_kv_cache_layouts([cls])]]
+    assert "BLHNC" not in supported[0]
+    config, stack = _config()
+    with stack:
+        assert _resolve(config, supported) == KVCacheLayout.LBNHC
+
+
+def test_push_keeps_the_backends_layout():
+    # The push worker writes whole rows only to peers that lay them out alike.
+    config, stack = _config(kv_connector="NixlPushConnector")
+    with stack:
+        assert nc.NixlPushConnector.get_preferred_kvcache_layout(config) is None
+        assert _resolve(config) == KVCacheLayout.LBNHC
+
+
+def test_a_connector_without_a_preference_does_not_consent():
+    # ExampleConnector reshapes each layer's cache: it states no layout, so
+    # a MultiConnector with it keeps the backends' layout.
+    connectors = [
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+    ]
+    config, stack = _config(
+        kv_connector="MultiConnector",
+        kv_connector_extra_config={"connectors": connectors},
+    )
+    with stack:
+        assert _resolve(config) == KVCacheLayout.LBNHC
 
 
 def test_the_preference_yields_to_a_required_layout():
