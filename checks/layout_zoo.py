@@ -339,6 +339,7 @@ _RECIPES: dict[str, _Recipe] = {
     "dsv2-bf16/LBNHC": _Recipe("dsv2-bf16", KVCacheLayout.LBNHC),
     "dsv2-fp8/BLHNC": _Recipe("dsv2-fp8", KVCacheLayout.BLHNC),
     "mla-swa/BLHNC": _Recipe("mla-swa", KVCacheLayout.BLHNC),
+    "mla-swa/LBNHC": _Recipe("mla-swa", KVCacheLayout.LBNHC),
     "gpt-oss/LBNHC": _Recipe("gpt-oss", KVCacheLayout.LBNHC),
     "gpt-oss/BLHNC": _Recipe("gpt-oss", KVCacheLayout.BLHNC),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
@@ -348,6 +349,9 @@ _RECIPES: dict[str, _Recipe] = {
     ),
     "glm53-mtp+mirrored-staging/BLHNC": _Recipe(
         "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True, mirror=True
+    ),
+    "glm53-mtp+host-staging/LBNHC": _Recipe(
+        "glm53", KVCacheLayout.LBNHC, mtp=True, host_staging=True
     ),
     "dsv32+host-staging/BLHNC": _Recipe(
         "dsv32", KVCacheLayout.BLHNC, host_staging=True

@@ -199,6 +199,9 @@ PAIRS = [
     ("dsv32/LBNHC", "dsv32+mirrored-staging/LBNHC"),
     ("dsv32/BLHNC", "dsv32/LBNHC"),
     ("dsv32/LBNHC", "dsv32/BLHNC"),
+    ("mla-swa/BLHNC", "mla-swa/LBNHC"),
+    ("mla-swa/LBNHC", "mla-swa/BLHNC"),
+    ("glm53-mtp+host-staging/LBNHC", "glm53-mtp/BLHNC"),
     ("dsv32-pp2-stage0/BLHNC", "dsv32/BLHNC"),
 ]
 CASES = (

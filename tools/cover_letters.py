@@ -217,7 +217,53 @@ def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
+def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
+    """Each cross-tree pair next to stock + stock of the same configurations."""
+    results = data["results"]
+
+    def cells(result: dict[str, Any]) -> list[str]:
+        if not result.get("accepted"):
+            return ["refused: " + str(result.get("error")), "-"]
+        layouts = " -> ".join(result["layouts"])
+        ok = (
+            "exact"
+            if result["wrong_pages"] == 0 and result["outside_clean"]
+            else (f"{result['wrong_pages']} wrong pages")
+        )
+        run = result.get("run_descriptors")
+        descs = _num(result["descriptors"]) + (f" / {_num(run)}" if run else "")
+        return [f"{layouts}, {ok}", descs]
+
+    rows = [
+        (
+            entry["pair"],
+            *cells(results[entry["pair"]]),
+            *cells(results[entry["oracle"]]),
+        )
+        for entry in data["pairs"]
+    ]
+    return _table(
+        (
+            "P -> D (tree+model+settings)",
+            "layouts resolved, bytes",
+            "descs",
+            "stock + stock: layouts, bytes",
+            "descs",
+        ),
+        rows,
+    ) + [
+        "",
+        "descs: NIXL telemetry descCount of the READ of 4 scattered blocks per "
+        "group / of one 8-block run per group, consecutive on both sides.",
+    ]
+
+
 SOURCES: dict[str, Source] = {
+    "cross-tree": Source(
+        ROOT / "build" / "checks" / "cross_tree.json",
+        "bash tools/test.sh",
+        render_cross_tree,
+    ),
     "zoo-regions": Source(
         BENCH / "zoo_regions.json", "bash tools/main.sh", render_zoo_regions
     ),

@@ -1,0 +1,526 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P/D pairs across trees: each side a configuration, in its own tree's process.
+
+A rolling upgrade pairs a stock 0.33.0 instance with a patched one. Here each
+side of a pair is what a user sets (``Config``: the tree, the model, device or
+host staging, ``--block-size``, ``VLLM_KV_CACHE_LAYOUT``, NIXL alone or in a
+MultiConnector) and runs in a process of its own with its tree on
+``PYTHONPATH``. That process resolves the KV cache layout with its tree's own
+``resolve_kv_cache_layout`` (as on CUDA, where the connector's preference
+applies), builds the layout with vLLM's planner and allocator
+(``layout_zoo``) and a pull worker with real NIXL, and exchanges what the
+deployment's side channel carries: the prefiller's handshake payload
+(compatibility hash checked as ``_nixl_handshake`` checks it), then the
+request's block ids. The decoder reads the request through its own read path
+from the prefiller's memory in the other process, and checks every page it
+received against the bytes the prefiller holds for it.
+
+    python -m checks.cross_tree --stock build/stock --fork build/vllm
+
+runs every ``CROSS_CASES`` pair and prints one line each;
+``checks/test_cross_tree.py`` holds each against stock + stock of the same
+configurations (``oracle``) in the test command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The CUDA attention backends of the MLA families here (FlashMLA's sparse MLA
+# backend and the DSA indexer's for DeepSeek-V3.2-architecture models, the
+# dense one otherwise): what the layout is resolved against.
+_SPARSE = (
+    "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
+    "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerBackend",
+)
+_DENSE = ("vllm.v1.attention.backends.mla.flashmla:FlashMLABackend",)
+BACKENDS = {"dsv32": _SPARSE, "glm53-mtp": _SPARSE, "mla-swa": _DENSE}
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a user sets on one instance.
+
+    Attributes:
+        tree: ``stock`` (pristine 0.33.0) or ``fork`` (the series).
+        model: Zoo family prefix (``dsv32``, ``glm53-mtp``, ``mla-swa``).
+        staging: ``kv_buffer_device="cpu"`` (per-layer host staging).
+        block_size: ``--block-size``, or None for the model's default (64).
+        layout: ``VLLM_KV_CACHE_LAYOUT``, or None.
+        multi: MultiConnector[NixlConnector, ExampleConnector] instead of
+            NixlConnector alone.
+
+    """
+
+    tree: str
+    model: str
+    staging: bool = False
+    block_size: int | None = None
+    layout: str | None = None
+    multi: bool = False
+
+    @property
+    def label(self) -> str:
+        extras = [
+            "staging" if self.staging else "",
+            f"bs{self.block_size}" if self.block_size else "",
+            f"env={self.layout}" if self.layout else "",
+            "multi" if self.multi else "",
+        ]
+        return "+".join([self.tree, self.model, *filter(None, extras)])
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill: Config
+    decode: Config
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill.label}->{self.decode.label}"
+
+    def oracle(self) -> Pair:
+        """The same configurations, both on stock 0.33.0."""
+        return Pair(
+            replace(self.prefill, tree="stock"), replace(self.decode, tree="stock")
+        )
+
+
+def _both_ways(a: Config, b: Config) -> list[Pair]:
+    return [Pair(a, b), Pair(b, a)]
+
+
+def _fork(**kw: Any) -> Config:
+    return Config("fork", **kw)
+
+
+def _stock(**kw: Any) -> Config:
+    return Config("stock", **kw)
+
+
+# The issue's cases 1-4, both directions: a rolling upgrade (stock <-> fork
+# defaults), a per-layer host-staging peer, one-sided settings (block size,
+# VLLM_KV_CACHE_LAYOUT, a MultiConnector) and rows shared by groups.
+CROSS_CASES: list[Pair] = [
+    *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
+    *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
+    *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
+    *_both_ways(_fork(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
+    Pair(_stock(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
+    Pair(_fork(model="dsv32", block_size=32), _fork(model="dsv32")),
+    Pair(_stock(model="dsv32", block_size=32), _fork(model="dsv32")),
+    Pair(_fork(model="dsv32"), _fork(model="dsv32", layout="LBNHC")),
+    Pair(_fork(model="mla-swa"), _fork(model="mla-swa", layout="LBNHC")),
+    Pair(_fork(model="dsv32", multi=True), _fork(model="dsv32")),
+]
+
+
+# ------------------------------------------------------------------ child side
+
+
+class _Side:
+    """One instance, in a process with its own tree on ``PYTHONPATH``."""
+
+    def __init__(self, config: dict[str, Any], engine_id: str) -> None:
+        self.config = Config(**config)
+        self.engine_id = engine_id
+        self.layout_name = self._resolve()
+        from checks.layout_zoo import build_zoo_layout, make_zoo_worker
+        from checks.real_nixl import fill_pattern, zero
+
+        self.layout = build_zoo_layout(
+            self.layout_name, num_blocks=32, block_size=self.config.block_size
+        )
+        if engine_id == "prefill":
+            fill_pattern(self.layout, seed=7)
+        else:
+            zero(self.layout)
+        self.device_raws = list(self.layout.raws)
+        self.worker = make_zoo_worker(self.layout, engine_id=engine_id, coalesce=True)
+
+    def _resolve(self) -> str:
+        """The zoo layout this tree builds for the configuration."""
+        from unittest.mock import patch
+
+        from tests.v1.kv_connector.unit.utils import create_vllm_config
+        from vllm.config.model import ModelConfig
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+
+        from checks.layout_zoo import build_zoo_layout
+
+        c = self.config
+        classes = []
+        for path in BACKENDS[c.model]:
+            module, _, name = path.partition(":")
+            classes.append(getattr(__import__(module, fromlist=[name]), name))
+        supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
+        tiny = build_zoo_layout(f"{c.model}/BLHNC", num_blocks=16)
+        specs = []
+        for group in tiny.kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            specs += list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+        extra: dict[str, Any] = {}
+        connector = "NixlConnector"
+        if c.multi:
+            connector = "MultiConnector"
+            extra = {
+                "connectors": [
+                    {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                    {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": "/tmp"},
+                    },
+                ]
+            }
+        config = create_vllm_config(
+            block_size=c.block_size or 64,
+            kv_role="kv_both",
+            kv_connector=connector,
+            kv_connector_extra_config=extra,
+        )
+        config.cache_config.kv_cache_layout = None
+        config.cache_config.user_specified_block_size = c.block_size is not None
+        mla = property(lambda self: True)
+        env = {"VLLM_KV_CACHE_LAYOUT": c.layout} if c.layout else {}
+        with (
+            patch.dict(os.environ, env),
+            patch.object(ModelConfig, "use_mla", mla),
+            patch.object(ModelConfig, "is_deepseek_mla", mla),
+            patch.object(current_platform, "is_cuda", lambda: True),
+        ):
+            layout = resolve_kv_cache_layout(config, [supported], specs)
+        staging = "+host-staging" if c.staging else ""
+        return f"{c.model}{staging}/{layout.name}"
+
+    def payload(self) -> dict[str, Any]:
+        hs = self.worker.xfer_handshake_metadata
+        return {
+            "layout": self.layout_name,
+            "regions": self.worker.num_regions,
+            "hash": hs.compatibility_hash,
+            "meta": base64.b64encode(hs.agent_metadata_bytes).decode(),
+            "groups": len(self.worker.kv_cache_config.transfer_groups),
+            "limit": min(self.worker.region_num_blocks),
+            "block_size": self.layout.block_size,
+        }
+
+    def pages(self, remote: list[list[int]]) -> dict[str, Any]:
+        """Stage the request (host staging) and send its pages' bytes."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        if self.worker.use_host_buffer:
+            saved = NixlConnectorMetadata()
+            saved.add_new_req_to_save("req", remote, {})
+            self.worker.save_kv_to_host(saved)
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        pages: dict[str, dict[str, str]] = {}
+        for name, view in self.layout.kv_caches.items():
+            if name not in groups or view.ndim < 2:
+                continue
+            pages[name] = {
+                str(block): base64.b64encode(_page_bytes(view, block)).decode()
+                for block in remote[groups[name]]
+            }
+        return {"pages": pages}
+
+    def read(self, peer: dict[str, Any], pages: dict[str, Any] | None) -> dict:
+        """Handshake with the prefiller's payload; read the request if accepted."""
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlAgentMetadata,
+        )
+
+        out: dict[str, Any] = {"accepted": False}
+        if pages is not None:
+            return self._pull(pages)
+        if peer["hash"] != self.worker.compat_hash:
+            return out | {"error": "handshake: compatibility hash differs"}
+        meta = msgspec.msgpack.decode(
+            base64.b64decode(peer["meta"]), type=NixlAgentMetadata
+        )
+        try:
+            agent = self.worker.add_remote_agent(meta)
+        except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
+            return out | {"error": f"handshake: {type(e).__name__}", "message": str(e)}
+        self.worker._remote_agents.setdefault("prefill", {})[(0, 0)] = agent
+        rng = random.Random(11)
+        self.ratio = self.layout.block_size // peer["block_size"]
+        self.peer_block_size = peer["block_size"]
+        self.local = _request(self.worker, rng, 4)
+        self.remote = _sample(rng, peer["groups"], peer["limit"], 4 * self.ratio)
+        # A second request of one 8-block run, consecutive on both sides (as
+        # a sorted pool hands them out): what merging buys, where it can.
+        groups = len(self.worker.kv_cache_config.transfer_groups)
+        self.runs = (
+            [list(range(6 + 10 * g, 14 + 10 * g)) for g in range(groups)]
+            if self.ratio == 1
+            else None
+        )
+        return {"lists": self.remote, "runs": self.runs}
+
+    def _pull(self, pages: dict[str, Any]) -> dict[str, Any]:
+        from checks.real_nixl import pull_request
+
+        out: dict[str, Any] = {"accepted": False}
+        local, remote, ratio = self.local, self.remote, self.ratio
+        stub = type("Peer", (), {"engine_id": "prefill", "use_host_buffer": False})
+        try:
+            result = pull_request(
+                self.worker,
+                stub,
+                local,
+                remote,
+                num_tokens=4 * ratio * self.peer_block_size,
+                staging_copies=True,
+            )
+        except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
+            return out | {"error": f"read: {type(e).__name__}", "message": str(e)}
+        out = {
+            "accepted": True,
+            "error": None,
+            "descriptors": result.descriptors,
+            "total_bytes": result.total_bytes,
+            **self._truth(local, remote, pages["pages"], ratio),
+        }
+        if self.runs is not None:
+            runs = pull_request(
+                self.worker,
+                stub,
+                self.runs,
+                self.runs,
+                num_tokens=8 * self.peer_block_size,
+                staging_copies=True,
+            )
+            truth = self._truth(self.runs, self.runs, pages["pages"], 1)
+            out["run_descriptors"] = runs.descriptors
+            out["run_wrong_pages"] = truth["wrong_pages"]
+            out["outside_clean"] &= truth["outside_clean"]
+        return out
+
+    def _truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
+        """D's pages of the request against P's bytes; nothing else written."""
+        from checks.pairing_matrix import _clear_views, _padded_pages
+
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        checked = wrong = 0
+        for name, view in self.layout.kv_caches.items():
+            if name not in groups or name not in pages or view.ndim < 2:
+                continue
+            group = groups[name]
+            spec = self.worker._layer_specs.get(name)
+            page_bytes = getattr(spec, "page_size_bytes", None)
+            padded = _padded_pages(view, page_bytes, self.device_raws)
+            for i, d_block in enumerate(local[group]):
+                got = _page_bytes(view, d_block)
+                # A D block holds `ratio` P blocks of the same group, in order.
+                want = b"".join(
+                    base64.b64decode(pages[name][str(p)])
+                    for p in remote[group][i * ratio : (i + 1) * ratio]
+                )
+                checked += 1
+                wrong += got[: len(want)] != want
+                padded[d_block].zero_()
+        outside_clean = not any(bool(raw.any()) for raw in self.device_raws)
+        return {
+            "pages": checked,
+            "wrong_pages": wrong,
+            "outside_clean": outside_clean,
+            "untouched": _clear_views(self.layout, self.worker, self.device_raws),
+        }
+
+
+def _page_bytes(view, block: int) -> bytes:
+    import torch
+
+    return view[block].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _sample(
+    rng: random.Random, num_groups: int, limit: int, per_group: int
+) -> list[list[int]]:
+    """Disjoint, shuffled block ids per group, one run among them."""
+    pool = rng.sample(range(1, limit), per_group * num_groups)
+    ids = [pool[g * per_group : (g + 1) * per_group] for g in range(num_groups)]
+    for group in ids:
+        group[1:3] = sorted(group[1:3])
+    return ids
+
+
+def _request(worker, rng: random.Random, per_group: int) -> list[list[int]]:
+    return _sample(
+        rng,
+        len(worker.kv_cache_config.transfer_groups),
+        min(worker.region_num_blocks),
+        per_group,
+    )
+
+
+def _child() -> int:
+    """Serve one side: JSON commands on stdin, one JSON answer per line."""
+    # Answers go to the original stdout; everything the tree prints, to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    side: _Side | None = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "build":
+                if side is not None:
+                    side.worker.shutdown()
+                    side = None
+                side = _Side(cmd["config"], cmd["engine_id"])
+                answer: dict[str, Any] = side.payload()
+            elif cmd["op"] == "pages":
+                assert side is not None
+                answer = side.pages(cmd["remote"])
+            elif cmd["op"] == "read":
+                assert side is not None
+                answer = side.read(cmd["peer"], cmd.get("pages"))
+            else:
+                break
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            answer = {"error": f"{cmd['op']}: {type(e).__name__}", "message": str(e)}
+        print(json.dumps(answer), file=answers, flush=True)
+    if side is not None:
+        side.worker.shutdown()
+    return 0
+
+
+# ----------------------------------------------------------------- parent side
+
+
+class _Process:
+    def __init__(self, tree: Path, log: Any = subprocess.DEVNULL) -> None:
+        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "checks.cross_tree", "--child"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Processes:
+    """One long-lived process per tree and role, reused pair after pair."""
+
+    def __init__(self, trees: dict[str, Path]) -> None:
+        self.trees = trees
+        self.log = (
+            open(os.environ["CROSS_TREE_LOG"], "a")  # noqa: SIM115
+            if "CROSS_TREE_LOG" in os.environ
+            else subprocess.DEVNULL
+        )
+        self.procs: dict[tuple[str, str], _Process] = {}
+
+    def get(self, tree: str, role: str) -> _Process:
+        key = (tree, role)
+        if key not in self.procs or self.procs[key].proc.poll() is not None:
+            self.procs[key] = _Process(self.trees[tree], self.log)
+        return self.procs[key]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.close()
+        self.procs.clear()
+
+
+def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
+    """Run one pair, each side in a process of its own tree."""
+    p = procs.get(pair.prefill.tree, "prefill")
+    d = procs.get(pair.decode.tree, "decode")
+    out: dict[str, Any] = {"accepted": False}
+    peer = p.ask(op="build", config=asdict(pair.prefill), engine_id="prefill")
+    if "error" in peer:
+        return out | {"error": f"register prefill: {peer['error']}"}
+    mine = d.ask(op="build", config=asdict(pair.decode), engine_id="decode")
+    if "error" in mine:
+        return out | {"error": f"register decode: {mine['error']}"}
+    out["layouts"] = [peer["layout"], mine["layout"]]
+    out["regions"] = [peer["regions"], mine["regions"]]
+    lists = d.ask(op="read", peer=peer)
+    if "lists" not in lists:
+        return out | lists
+    wanted = lists["lists"]
+    if lists["runs"] is not None:
+        wanted = [a + b for a, b in zip(wanted, lists["runs"], strict=True)]
+    pages = p.ask(op="pages", remote=wanted)
+    if "error" in pages:
+        return out | {"error": f"stage prefill: {pages['error']}"}
+    return out | d.ask(op="read", peer=peer, pages=pages)
+
+
+def run_pairs(pairs: list[Pair], trees: dict[str, Path]) -> dict[str, dict]:
+    """Run pairs in order, reusing one process per tree and role."""
+    procs = Processes(trees)
+    try:
+        return {pair.name: run_pair(pair, procs) for pair in pairs}
+    finally:
+        procs.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stock", type=Path, default=ROOT / "build" / "stock")
+    parser.add_argument("--fork", type=Path, default=ROOT / "build" / "vllm")
+    parser.add_argument("--only", default=None, help="substring of pair names")
+    parser.add_argument("--oracle", action="store_true", help="stock + stock only")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child()
+    trees = {"stock": args.stock, "fork": args.fork}
+    pairs = [pair.oracle() if args.oracle else pair for pair in CROSS_CASES]
+    pairs = [p for p in {p.name: p for p in pairs}.values()]
+    pairs = [p for p in pairs if not args.only or args.only in p.name]
+    results = run_pairs(pairs, trees)
+    keys = ("layouts", "accepted", "error", "descriptors", "wrong_pages")
+    for name, result in results.items():
+        print(name, {k: result.get(k) for k in keys}, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rolling upgrades and one-sided settings, each side in its own tree's process.
+
+Every ``cross_tree.CROSS_CASES`` pair runs with each side a configuration in
+a process of its tree (stock 0.33.0 from ``STOCK_TREE``, default
+``build/stock``; the fork from ``build/vllm``), and is held against stock +
+stock of the same configurations (``Pair.oracle``): where stock pairs them,
+the fork must pair them too, land exactly the prefiller's pages, change no
+other decoder byte, and post no more descriptors. The results go to
+``build/checks/cross_tree.json`` (the PR description's table).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl")
+
+from checks.cross_tree import CROSS_CASES, ROOT, Pair, run_pairs  # noqa: E402
+from checks.real_nixl import probe_real_nixl  # noqa: E402
+
+OUT = ROOT / "build" / "checks" / "cross_tree.json"
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    reason = probe_real_nixl()
+    if reason is not None:
+        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
+    trees = {
+        "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
+        "fork": ROOT / "build" / "vllm",
+    }
+    for tree in trees.values():
+        if not (tree / "vllm" / "__init__.py").is_file():
+            pytest.fail(f"{tree} is not a vLLM tree (tools/run_tests.py makes both)")
+    oracles = list({p.oracle().name: p.oracle() for p in CROSS_CASES}.values())
+    got = run_pairs(list(CROSS_CASES) + oracles, trees)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(
+        json.dumps(
+            {
+                "pairs": [
+                    {"pair": p.name, "oracle": p.oracle().name} for p in CROSS_CASES
+                ],
+                "results": got,
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    return got
+
+
+@pytest.mark.parametrize("pair", CROSS_CASES, ids=[p.name for p in CROSS_CASES])
+def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
+    want, got = results[pair.oracle().name], results[pair.name]
+    assert want["accepted"], f"stock + stock refuses {pair.oracle().name}: {want}"
+    assert not want["wrong_pages"] and want["outside_clean"], want
+    assert got["accepted"], got
+    assert got["pages"] == want["pages"] > 0
+    assert got["wrong_pages"] == 0, got
+    assert got["outside_clean"] and got["untouched"], got
+    assert got["descriptors"] <= want["descriptors"], (got, want)
+    # An 8-block run consecutive on both sides: exact too. Two instances of
+    # one layout merge it; a row side and a per-layer side cannot (recorded,
+    # and held to one descriptor per page region and block).
+    assert got.get("run_wrong_pages") == want.get("run_wrong_pages") in (0, None)
+    if got.get("run_descriptors") is not None:
+        assert (
+            want["run_descriptors"]
+            <= got["run_descriptors"]
+            <= 8 * (want["run_descriptors"])
+        )
