@@ -132,16 +132,22 @@ CROSS_CASES: list[Pair] = [
 class _Side:
     """One instance, in a process with its own tree on ``PYTHONPATH``."""
 
-    def __init__(self, config: dict[str, Any], engine_id: str) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        engine_id: str,
+        geometry: dict[str, int] | None = None,
+    ) -> None:
         self.config = Config(**config)
         self.engine_id = engine_id
         self.layout_name = self._resolve()
         from checks.layout_zoo import build_zoo_layout, make_zoo_worker
         from checks.real_nixl import fill_pattern, zero
 
-        self.layout = build_zoo_layout(
-            self.layout_name, num_blocks=32, block_size=self.config.block_size
-        )
+        # ``geometry``: build_zoo_layout's keywords (the main job's layers,
+        # scale and pages) over the defaults: 32 blocks of the user's size.
+        kwargs = {"num_blocks": 32, "block_size": self.config.block_size}
+        self.layout = build_zoo_layout(self.layout_name, **(kwargs | (geometry or {})))
         if engine_id == "prefill":
             fill_pattern(self.layout, seed=7)
         else:
@@ -241,16 +247,14 @@ class _Side:
             }
         return {"pages": pages}
 
-    def read(self, peer: dict[str, Any], pages: dict[str, Any] | None) -> dict:
-        """Handshake with the prefiller's payload; read the request if accepted."""
+    def handshake(self, peer: dict[str, Any]) -> dict[str, Any] | None:
+        """Check the peer's hash, add its agent; the refusal, if any."""
         import msgspec
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlAgentMetadata,
         )
 
         out: dict[str, Any] = {"accepted": False}
-        if pages is not None:
-            return self._pull(pages)
         if peer["hash"] != self.worker.compat_hash:
             return out | {"error": "handshake: compatibility hash differs"}
         meta = msgspec.msgpack.decode(
@@ -261,9 +265,18 @@ class _Side:
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             return out | {"error": f"handshake: {type(e).__name__}", "message": str(e)}
         self.worker._remote_agents.setdefault("prefill", {})[(0, 0)] = agent
+        self.peer_block_size = peer["block_size"]
+        return None
+
+    def read(self, peer: dict[str, Any], pages: dict[str, Any] | None) -> dict:
+        """Handshake with the prefiller's payload; read the request if accepted."""
+        if pages is not None:
+            return self._pull(pages)
+        refused = self.handshake(peer)
+        if refused is not None:
+            return refused
         rng = random.Random(11)
         self.ratio = self.layout.block_size // peer["block_size"]
-        self.peer_block_size = peer["block_size"]
         self.local = _request(self.worker, rng, 4)
         self.remote = _sample(rng, peer["groups"], peer["limit"], 4 * self.ratio)
         # A second request of one 8-block run, consecutive on both sides (as
@@ -346,6 +359,68 @@ class _Side:
             "untouched": _clear_views(self.layout, self.worker, self.device_raws),
         }
 
+    def digests(self, blocks: list[list[int]]) -> dict[str, str]:
+        """Per layer, a digest of its pages of ``blocks`` (per group), in order."""
+        import hashlib
+
+        import torch
+
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        out = {}
+        for name, view in self.layout.kv_caches.items():
+            if name not in groups or view.ndim < 2 or not blocks[groups[name]]:
+                continue
+            pages = view[torch.tensor(blocks[groups[name]])].contiguous()
+            data = pages.view(torch.uint8).numpy().tobytes()
+            out[name] = hashlib.blake2b(data, digest_size=16).hexdigest()
+        return out
+
+    def read_lists(
+        self, local: list[list[int]], remote: list[list[int]], want: dict[str, str]
+    ) -> dict[str, Any]:
+        """Read one request of given block lists; check it against ``want``.
+
+        ``want`` holds the prefiller's ``digests`` of ``remote``. Every layer
+        page of the request must match them, and with those pages zeroed
+        again, D's device allocations must be all zero (nothing else
+        written), ready for the next request.
+        """
+        import torch
+
+        from checks.pairing_matrix import _padded_pages
+        from checks.real_nixl import pull_request
+
+        stub = type("Peer", (), {"engine_id": "prefill", "use_host_buffer": False})
+        result = pull_request(
+            self.worker,
+            stub,
+            local,
+            remote,
+            num_tokens=len(local[0]) * self.peer_block_size,
+            staging_copies=True,
+        )
+        got = self.digests(local)
+        if set(got) != set(want):
+            raise RuntimeError(f"layers differ: {sorted(set(got) ^ set(want))}")
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        pages = wrong = page_bytes = 0
+        for name in sorted(got):
+            blocks = local[groups[name]]
+            view = self.layout.kv_caches[name]
+            pages += len(blocks)
+            wrong += len(blocks) * (got[name] != want[name])
+            page_bytes += len(blocks) * view[0].numel() * view.element_size()
+            spec = self.worker._layer_specs.get(name)
+            size = getattr(spec, "page_size_bytes", None)
+            _padded_pages(view, size, self.device_raws)[torch.tensor(blocks)] = 0
+        return {
+            "descriptors": result.descriptors,
+            "pages": pages,
+            "wrong_pages": wrong,
+            "page_bytes": page_bytes,
+            "outside_clean": not any(bool(raw.any()) for raw in self.device_raws),
+        }
+
 
 def _page_bytes(view, block: int) -> bytes:
     import torch
@@ -387,7 +462,7 @@ def _child() -> int:
                 if side is not None:
                     side.worker.shutdown()
                     side = None
-                side = _Side(cmd["config"], cmd["engine_id"])
+                side = _Side(cmd["config"], cmd["engine_id"], cmd.get("geometry"))
                 answer: dict[str, Any] = side.payload()
             elif cmd["op"] == "pages":
                 assert side is not None
@@ -395,6 +470,15 @@ def _child() -> int:
             elif cmd["op"] == "read":
                 assert side is not None
                 answer = side.read(cmd["peer"], cmd.get("pages"))
+            elif cmd["op"] == "handshake":
+                assert side is not None
+                answer = side.handshake(cmd["peer"]) or {"accepted": True}
+            elif cmd["op"] == "digests":
+                assert side is not None
+                answer = {"digests": side.digests(cmd["blocks"])}
+            elif cmd["op"] == "read_lists":
+                assert side is not None
+                answer = side.read_lists(cmd["local"], cmd["remote"], cmd["want"])
             else:
                 break
         except Exception as e:  # noqa: BLE001 - reported to the parent

@@ -122,9 +122,23 @@ def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
             data,
             scenarios=[s for s in data["scenarios"] if s["key"] in keys],
             rows=[r for r in data["rows"] if r["scenario"] in keys],
+            rolling_upgrade={},
         )
     return [data["setup"], "", data["rig"], "", data["verification"]["text"], "",
             *report.render_tables(data)]  # fmt: skip
+
+
+def render_rolling_upgrade(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/bench/nixl_main_job.py: its rolling-upgrade pairs alone."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import report  # tools/bench/report.py
+
+    lines = report.upgrade_lines(data, report._markdown)
+    if not lines:
+        raise ValueError("the main job ran no rolling-upgrade pair")
+    return lines
 
 
 # Blocks one chunked prefill step allocates per request at most (the
@@ -269,6 +283,9 @@ SOURCES: dict[str, Source] = {
     ),
     "main-job": Source(
         BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_main_job
+    ),
+    "rolling-upgrade": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_rolling_upgrade
     ),
     "exported-bench": Source(
         BENCH / "bench_nixl_descriptors.json",

@@ -370,9 +370,12 @@ def run_logged(cmd: Sequence[str], cwd: Path, log: Path, env: dict[str, str]) ->
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        return subprocess.run(
+        start = time.monotonic()
+        rc = subprocess.run(
             list(cmd), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT
         ).returncode
+        f.write(f"# exit {rc} after {time.monotonic() - start:.1f} s\n")
+        return rc
 
 
 def tail(log: Path, n: int = 25) -> str:
@@ -414,9 +417,12 @@ def mypy_errors(
         genv = dict(env)
         genv["MYPY_CACHE_DIR"] = str(CACHE / "mypy" / (group or "default"))
         cmd = [PYTHON, "tools/pre_commit/mypy.py", "3.11", *group_files]
+        start = time.monotonic()
         proc = subprocess.run(cmd, cwd=tree, env=genv, capture_output=True, text=True)
+        took = time.monotonic() - start
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+            f.write(f"# exit {proc.returncode} after {took:.1f} s\n")
         found = 0
         for line in proc.stdout.splitlines():
             m = MYPY_ERROR.match(line)
@@ -726,7 +732,8 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     """One row per series prefix short of HEAD (HEAD is every other suite).
 
     In a detached worktree at the prefix's last commit: the lint tools of
-    BISECT_LINTS over what the prefix touches, that patch's own test modules
+    BISECT_LINTS over what the prefix touches and HEAD changes again (a file
+    equal to HEAD's is linted on HEAD), that patch's own test modules
     (added or changed), and ``--help`` of any script it adds under
     benchmarks/ (a smoke test: the script imports at that point).
     """
@@ -747,11 +754,13 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
         try:
             with open(log, "a", encoding="utf-8") as f:
                 f.write(f"\n=== prefix {k}: {commit[:12]} {subject}\n")
+            # A file as HEAD has it was linted on HEAD: lint what differs.
+            differs = set(git_lines("diff", "--name-only", commit, "HEAD"))
             touched = [
                 f for f in git_lines(
                     "diff", "--name-only", "--no-renames", "--diff-filter=d",
                     f"{BASE_TAG}..{commit}",
-                ) if not PRECOMMIT_EXCLUDE.match(f)
+                ) if not PRECOMMIT_EXCLUDE.match(f) and f in differs
             ]  # fmt: skip
             lint_bad: list[str] = []
             checked = 0

@@ -114,6 +114,7 @@ import job_lists  # noqa: E402
 import job_nixl  # noqa: E402
 import job_rig  # noqa: E402
 import job_summary  # noqa: E402
+import job_upgrade  # noqa: E402
 import numpy as np  # noqa: E402
 from job_noise import (  # noqa: E402
     NOISE,
@@ -139,6 +140,8 @@ PRELOAD = (
 # Files whose code makes a variant's block lists: equal code and pool order,
 # equal lists (the replay runs once per group).
 POOL_CODE = ("vllm/v1/core", "vllm/v1/request.py", "vllm/sampling_params.py")
+# The rolling-upgrade scenario (job_upgrade.py): P and D of different trees.
+UPGRADE = "rolling-upgrade"
 # The replay's block size (tools/bench/block_pool_replay.py --block-size).
 REPLAY_BLOCK_TOKENS = 64
 QUICK = {
@@ -163,10 +166,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         + ", ".join(f"--{k.replace('_', '-')} {v!r}" for k, v in QUICK.items()),
     )
     run = parser.add_argument_group("run")
+    keys = [*(s.key for s in SCENARIOS), UPGRADE]
     run.add_argument(
         "--scenarios",
-        default=",".join(s.key for s in SCENARIOS),
-        help="comma-separated subset of: " + ", ".join(s.key for s in SCENARIOS),
+        default=",".join(keys),
+        help="comma-separated subset of: " + ", ".join(keys),
     )
     run.add_argument(
         "--variants",
@@ -228,9 +232,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     known = {s.key: s for s in SCENARIOS}
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    if set(names) - set(known) or not names:
+    if set(names) - set(known) - {UPGRADE} or not names:
         parser.error(f"unknown scenarios {sorted(set(names) - set(known))}")
     args.scenarios = [s for s in SCENARIOS if s.key in names]
+    args.upgrade = UPGRADE in names
     if args.variants is not None:
         args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.transfers < 1 or args.repeat < 1:
@@ -494,6 +499,30 @@ class Job:
         order = {v.key: i for i, v in enumerate(members)}
         return sorted(rows, key=lambda r: order[r["variant"]])
 
+    def upgrade(self) -> list[dict[str, Any]]:
+        """The rolling-upgrade pairs (``job_upgrade``), stock and series trees."""
+        from job_child import NUM_LAYERS, PAGE_TOKENS, ZOO_SCALE
+
+        keys = self.series.by_key()
+        trees = {"stock": keys["stock"], "fork": keys["series"]}
+        if not all(v in self.chosen for v in trees.values()):
+            self.note(f"{UPGRADE}: needs the stock and series variants; skipped")
+            return []
+        geometry = dict(
+            num_blocks=self.layout_blocks,
+            num_layers=NUM_LAYERS,
+            scale=ZOO_SCALE,
+            block_size=PAGE_TOKENS,
+        )
+        rows = job_upgrade.run_upgrade(
+            {k: v.tree for k, v in trees.items()},
+            {k: self.per_variant[v.key]["transfers"] for k, v in trees.items()},
+            geometry,
+            self.note,
+        )
+        self.step(UPGRADE)
+        return rows
+
     def close(self) -> None:
         for proc in self.procs.values():
             counts = proc.close()
@@ -541,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += job.phase(scenario, pairing, phases[n + 1 :])
     finally:
         job.close()
+    upgrade = job.upgrade() if args.upgrade else []
     job_summary.add_vs_stock(rows)
     texts = job_summary.texts(
         args,
@@ -606,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in args.scenarios
         ],
         "rows": rows,
+        "rolling_upgrade": {"text": job_upgrade.TEXT, "rows": upgrade},
         "timing": job.timing,
         "noise": NOISE.counts(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -618,7 +649,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.render_text(report.load(json_path), json_path))
     ok_rows = [r for r in rows if r["status"] == "ok"]
     bytes_ok = all(r["verification"]["bytes_verified"] for r in ok_rows)
-    return 0 if bytes_ok and all(r["status"] != "failed" for r in rows) else 1
+    upgrade_ok = all(r["status"] == "ok" for r in upgrade)
+    return (
+        0
+        if bytes_ok and upgrade_ok and all(r["status"] != "failed" for r in rows)
+        else 1
+    )
 
 
 def _serve(conn: Any, spec: dict[str, Any]) -> None:

@@ -409,6 +409,50 @@ def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
     )
 
 
+UPGRADE_HEAD = (
+    "prefiller",
+    "decoder",
+    "layouts P / D",
+    "regions P / D",
+    "READs",
+    "descs/READ p50 / p95 / p99",
+    "descs total / stock + stock",
+    "pages verified (bytes)",
+    "wrong pages",
+    "other bytes changed",
+)
+
+
+def _upgrade_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """One rolling-upgrade pair: descriptors next to stock + stock's."""
+    head = (r["prefiller"], r["decoder"])
+    if r["status"] not in ("ok", "wrong bytes"):
+        return (*head, *_failed(r, len(UPGRADE_HEAD) - 2))
+    oracle = rows[0]["descs_per_read"]["total"] if rows[0].get("reads") else None
+    total = r["descs_per_read"]["total"]
+    return (
+        *head,
+        " / ".join(r["layouts"]),
+        " / ".join(_num(n) for n in r["regions"]),
+        _num(r["reads"]),
+        _trio(r["descs_per_read"]),
+        f"{_num(total)} / {_ratio(total / oracle) if oracle else '-'}",
+        f"{_num(r['pages'])} ({_num(r['page_bytes'])})",
+        _num(r["wrong_pages"]),
+        "none" if r["outside_clean"] else "YES",
+    )
+
+
+def upgrade_lines(payload: dict[str, Any], fmt: Any) -> list[str]:
+    """The rolling-upgrade table (``job_upgrade.py``), if the job ran it."""
+    rows = payload.get("rolling_upgrade", {}).get("rows")
+    if not rows:
+        return []
+    text = payload["rolling_upgrade"]["text"]
+    lines = ["Rolling upgrade (P and D from different trees)", "", text, ""]
+    return lines + fmt([UPGRADE_HEAD, *(_upgrade_cells(r, rows) for r in rows)])
+
+
 def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
     rows = _rows(payload)
     proj = payload["projection"]
@@ -422,6 +466,8 @@ def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
     lines += fmt([TIME_HEAD, *(_time_cells(s, r) for s, r in rows)])
     lines += ["", f"{proj['label']}: post time on GPUs from published costs", ""]
     lines += fmt([PROJ_HEAD, *(_proj_cells(s, r, proj) for s, r in rows)])
+    upgrade = upgrade_lines(payload, fmt)
+    lines += ["", *upgrade] if upgrade else []
     if payload["config"]["repeat"] > 1:
         lines += ["", f"Spread over {payload['config']['repeat']} passes", ""]
         lines += fmt([SPREAD_HEAD, *spread_rows([payload])])

@@ -7,9 +7,11 @@ dummy weights, with the NIXL connector and no KV cache layout set, so the
 layout is the one NixlConnector resolves for MLA (BLHNC), reading VRAM or
 host staging buffers that mirror it (``mirror_host_buffers``), and once
 with the prefiller set to LBNHC (per-layer pages, as a 0.33.0 instance
-registers them), which the decoder reads into its rows. The decoder's
-tokens from the prefiller's KV must equal the ones it produces from its own
-prefix cache.
+registers them), which the decoder reads into its rows. Each side must
+have resolved the layout expected of it, every whole block of the prompt
+must land in the decoder's cache byte for byte (all layers of a decoder
+block equal to the prefiller's block), and the decoder's tokens from the
+prefiller's KV must equal the ones it produces from its own prefix cache.
 """
 
 import gc
@@ -18,6 +20,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm.platforms import current_platform
 from vllm.utils.network_utils import get_open_port
@@ -93,6 +96,41 @@ def _make_llm(model_dir: Path, side_channel_port: int, staging: bool):
     )
 
 
+def _cache_pages(worker, block_ids):
+    """The resolved layout and, per block, the digests of its layer pages.
+
+    Runs on the worker (``collective_rpc``). ``block_ids``: the request's
+    blocks, of which the prompt's whole blocks are read, or None for every
+    block. A view may split a block into kernel blocks: a block's pages are
+    all of its kernel blocks' pages.
+    """
+    import hashlib
+
+    views = worker.model_runner.kv_caches
+    split = views[0].shape[0] // worker.cache_config.num_gpu_blocks
+    if block_ids is None:
+        ids = range(views[0].shape[0] // split)
+    else:
+        ids = block_ids[: (PROMPT_LEN - 1) // worker.cache_config.block_size]
+    pages = []
+    for block in ids:
+        pages.append(
+            tuple(
+                hashlib.sha256(
+                    view[block * split : (block + 1) * split]
+                    .contiguous()
+                    .view(-1)
+                    .view(torch.uint8)
+                    .cpu()
+                    .numpy()
+                    .tobytes()
+                ).hexdigest()
+                for view in views
+            )
+        )
+    return worker.vllm_config.cache_config.kv_cache_layout, pages
+
+
 def _shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -113,6 +151,8 @@ def test_tiny_mla_pd_decode_matches_local_decode(
     from vllm.inputs import TokensPrompt
 
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    # collective_rpc sends _cache_pages (a function) to the engine cores.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     # _make_llm sets it per engine; restored when the test ends.
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
     model_dir = tmp_path / "tiny-deepseek-v2"
@@ -162,6 +202,17 @@ def test_tiny_mla_pd_decode_matches_local_decode(
         pd_tokens = list(d_out.outputs[0].token_ids)
         # D's cache was empty: every reused prompt token came from P.
         assert (d_out.num_cached_tokens or 0) >= PROMPT_LEN - 1, d_out
+
+        # Each side resolved its own layout (the prefiller's setting is its
+        # own), and every whole block of the prompt is in D's cache, each of
+        # its layer pages equal to P's.
+        blocks = params["remote_block_ids"][0]
+        ((p_layout, p_pages),) = prefill.collective_rpc(_cache_pages, args=(blocks,))
+        ((d_layout, d_pages),) = decode.collective_rpc(_cache_pages, args=(None,))
+        assert (p_layout, d_layout) == (prefill_layout or "BLHNC", "BLHNC")
+        assert p_pages, "the prompt has no whole block"
+        missing = [i for i, pages in enumerate(p_pages) if pages not in d_pages]
+        assert not missing, f"prompt blocks {missing} did not land in D's cache"
 
         # Reference on D alone: compute the prompt, then decode from the
         # cached whole blocks, recomputing the last prompt token as P/D does.
