@@ -449,42 +449,48 @@ def _request(worker, rng: random.Random, per_group: int) -> list[list[int]]:
 
 
 def _child() -> int:
-    """Serve one side: JSON commands on stdin, one JSON answer per line."""
+    """Serve sides: JSON commands on stdin, one JSON answer per line.
+
+    A process holds one side per engine id (``prefill``, ``decode``): both
+    when P and D run the same tree. Every command names its side's engine
+    id; ``drop`` shuts down the sides not in ``keep``.
+    """
     # Answers go to the original stdout; everything the tree prints, to stderr.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    side: _Side | None = None
+    sides: dict[str, _Side] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
+        op, engine_id = cmd["op"], cmd.get("engine_id")
         try:
-            if cmd["op"] == "build":
-                if side is not None:
-                    side.worker.shutdown()
-                    side = None
-                side = _Side(cmd["config"], cmd["engine_id"], cmd.get("geometry"))
+            if op in ("build", "drop"):  # build replaces its own side only
+                keep = set(cmd.get("keep", sides)) - {engine_id}
+                for name in [n for n in sides if n not in keep]:
+                    sides.pop(name).worker.shutdown()
+            if op == "build":
+                side = _Side(cmd["config"], engine_id, cmd.get("geometry"))
+                sides[engine_id] = side
                 answer: dict[str, Any] = side.payload()
-            elif cmd["op"] == "pages":
-                assert side is not None
-                answer = side.pages(cmd["remote"])
-            elif cmd["op"] == "read":
-                assert side is not None
-                answer = side.read(cmd["peer"], cmd.get("pages"))
-            elif cmd["op"] == "handshake":
-                assert side is not None
-                answer = side.handshake(cmd["peer"]) or {"accepted": True}
-            elif cmd["op"] == "digests":
-                assert side is not None
-                answer = {"digests": side.digests(cmd["blocks"])}
-            elif cmd["op"] == "read_lists":
-                assert side is not None
+            elif op == "drop":
+                answer = {"sides": sorted(sides)}
+            elif op == "pages":
+                answer = sides[engine_id].pages(cmd["remote"])
+            elif op == "read":
+                answer = sides[engine_id].read(cmd["peer"], cmd.get("pages"))
+            elif op == "handshake":
+                answer = sides[engine_id].handshake(cmd["peer"]) or {"accepted": True}
+            elif op == "digests":
+                answer = {"digests": sides[engine_id].digests(cmd["blocks"])}
+            elif op == "read_lists":
+                side = sides[engine_id]
                 answer = side.read_lists(cmd["local"], cmd["remote"], cmd["want"])
             else:
                 break
         except Exception as e:  # noqa: BLE001 - reported to the parent
-            answer = {"error": f"{cmd['op']}: {type(e).__name__}", "message": str(e)}
+            answer = {"error": f"{op}: {type(e).__name__}", "message": str(e)}
         print(json.dumps(answer), file=answers, flush=True)
-    if side is not None:
+    for side in sides.values():
         side.worker.shutdown()
     return 0
 
@@ -561,16 +567,16 @@ def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
         return out | {"error": f"register decode: {mine['error']}"}
     out["layouts"] = [peer["layout"], mine["layout"]]
     out["regions"] = [peer["regions"], mine["regions"]]
-    lists = d.ask(op="read", peer=peer)
+    lists = d.ask(op="read", peer=peer, engine_id="decode")
     if "lists" not in lists:
         return out | lists
     wanted = lists["lists"]
     if lists["runs"] is not None:
         wanted = [a + b for a, b in zip(wanted, lists["runs"], strict=True)]
-    pages = p.ask(op="pages", remote=wanted)
+    pages = p.ask(op="pages", remote=wanted, engine_id="prefill")
     if "error" in pages:
         return out | {"error": f"stage prefill: {pages['error']}"}
-    return out | d.ask(op="read", peer=peer, pages=pages)
+    return out | d.ask(op="read", peer=peer, pages=pages, engine_id="decode")
 
 
 def run_pairs(pairs: list[Pair], trees: dict[str, Path]) -> dict[str, dict]:

@@ -12,8 +12,10 @@ with a real pull worker. The decoder handshakes with the prefiller's payload
 (compatibility hash checked) and reads the job's replayed requests through
 its own read path over UCX, across the two processes: the prefiller's block
 ids from the prefiller tree's pools, the decoder's from the decoder tree's
-(the same requests). Every READ is checked: each layer's pages of the
-request on D must hash to P's, and nothing else of D may change.
+(the same requests). One process per tree holds whichever sides the pair
+puts on that tree (both for stock + stock). Every READ is checked: each
+layer's pages of the request on D must hash to P's, and nothing else of D
+may change.
 
 Descriptors per READ are NIXL's telemetry; no time is reported (the two
 processes run unstopped, not on the quiet rig).
@@ -21,8 +23,6 @@ processes run unstopped, not on the quiet rig).
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -75,16 +75,15 @@ def run_upgrade(
         note: Progress callback.
 
     """
+    # One process per tree: it holds both sides when P and D share the tree.
     procs = Processes(trees)
     rows = []
     try:
         for p_tree, d_tree in PAIRS:
-            # Only the pair's two processes run: an idle NIXL agent's progress
-            # thread polls, and four of them on two cores slow every READ.
-            pair = {id(procs.get(p_tree, "prefill")), id(procs.get(d_tree, "decode"))}
-            for proc in procs.procs.values():
-                wanted = signal.SIGCONT if id(proc) in pair else signal.SIGSTOP
-                os.kill(proc.proc.pid, wanted)
+            roles = (("prefill", p_tree), ("decode", d_tree))
+            for tree in trees:  # shut down the sides this pair does not use
+                keep = [engine for engine, t in roles if t == tree]
+                procs.get(tree, "sides").ask(op="drop", keep=keep)
             row = _pair(procs, p_tree, d_tree, transfers, geometry)
             note(
                 f"rolling-upgrade {p_tree} P -> {d_tree} D: "
@@ -92,9 +91,6 @@ def run_upgrade(
             )
             rows.append(row)
     finally:
-        for proc in procs.procs.values():
-            if proc.proc.poll() is None:
-                os.kill(proc.proc.pid, signal.SIGCONT)
         procs.close()
     return rows
 
@@ -106,7 +102,7 @@ def _pair(
     transfers: dict[str, list[Any]],
     geometry: dict[str, int],
 ) -> dict[str, Any]:
-    p, d = procs.get(p_tree, "prefill"), procs.get(d_tree, "decode")
+    p, d = procs.get(p_tree, "sides"), procs.get(d_tree, "sides")
     row: dict[str, Any] = {
         "prefiller": LABELS[p_tree],
         "decoder": LABELS[d_tree],
@@ -127,7 +123,7 @@ def _pair(
         "layouts": [peer["layout"].split("/")[-1], mine["layout"].split("/")[-1]],
         "regions": [peer["regions"], mine["regions"]],
     }
-    answer = d.ask(op="handshake", peer=peer)
+    answer = d.ask(op="handshake", peer=peer, engine_id="decode")
     if not answer.get("accepted"):
         return row | {"status": "refused", "error": answer.get("error")}
     groups = peer["groups"]
@@ -136,8 +132,15 @@ def _pair(
         if pt.rid != dt.rid or len(pt.remote_ids) != len(dt.local_ids):
             raise RuntimeError(f"{pt.rid}: the trees' replays read different blocks")
         remote, local = [pt.remote_ids] * groups, [dt.local_ids] * groups
-        want = p.ask(op="digests", blocks=remote)
-        got = d.ask(op="read_lists", local=local, remote=remote, want=want["digests"])
+        want = p.ask(op="digests", blocks=remote, engine_id="prefill")
+        if "error" in want:
+            return row | {
+                "error": f"digests {pt.rid}: {want['error']}: {want['message']}"
+            }
+        got = d.ask(
+            op="read_lists", local=local, remote=remote, want=want["digests"],
+            engine_id="decode",
+        )  # fmt: skip
         if "error" in got:
             return row | {"error": f"read {pt.rid}: {got['error']}: {got['message']}"}
         descs.append(got["descriptors"])
