@@ -531,7 +531,7 @@ class _Process:
 
 
 class Processes:
-    """One long-lived process per tree and role, reused pair after pair."""
+    """One long-lived process per tree, reused pair after pair."""
 
     def __init__(self, trees: dict[str, Path]) -> None:
         self.trees = trees
@@ -540,13 +540,23 @@ class Processes:
             if "CROSS_TREE_LOG" in os.environ
             else subprocess.DEVNULL
         )
-        self.procs: dict[tuple[str, str], _Process] = {}
+        self.procs: dict[str, _Process] = {}
 
-    def get(self, tree: str, role: str) -> _Process:
-        key = (tree, role)
-        if key not in self.procs or self.procs[key].proc.poll() is not None:
-            self.procs[key] = _Process(self.trees[tree], self.log)
-        return self.procs[key]
+    def get(self, tree: str) -> _Process:
+        if tree not in self.procs or self.procs[tree].proc.poll() is not None:
+            self.procs[tree] = _Process(self.trees[tree], self.log)
+        return self.procs[tree]
+
+    def pair(self, p_tree: str, d_tree: str) -> tuple[_Process, _Process]:
+        """The prefiller's and decoder's processes: one per tree, holding the
+        sides a pair puts on it (both when P and D share the tree). Every
+        other side is shut down first: an idle NIXL agent's progress thread
+        polls, and idle agents on two cores slow every READ."""
+        roles = (("prefill", p_tree), ("decode", d_tree))
+        for tree in dict.fromkeys([*self.procs, p_tree, d_tree]):
+            keep = [engine for engine, t in roles if t == tree]
+            self.get(tree).ask(op="drop", keep=keep)
+        return self.get(p_tree), self.get(d_tree)
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -556,8 +566,7 @@ class Processes:
 
 def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
     """Run one pair, each side in a process of its own tree."""
-    p = procs.get(pair.prefill.tree, "prefill")
-    d = procs.get(pair.decode.tree, "decode")
+    p, d = procs.pair(pair.prefill.tree, pair.decode.tree)
     out: dict[str, Any] = {"accepted": False}
     peer = p.ask(op="build", config=asdict(pair.prefill), engine_id="prefill")
     if "error" in peer:
@@ -580,7 +589,7 @@ def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
 
 
 def run_pairs(pairs: list[Pair], trees: dict[str, Path]) -> dict[str, dict]:
-    """Run pairs in order, reusing one process per tree and role."""
+    """Run pairs in order, reusing one process per tree."""
     procs = Processes(trees)
     try:
         return {pair.name: run_pair(pair, procs) for pair in pairs}

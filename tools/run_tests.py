@@ -34,6 +34,7 @@ series and roundtrip suites only.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
 import importlib.util
@@ -728,13 +729,83 @@ def patch_test_files(commit: str) -> list[str]:
     ]  # fmt: skip
 
 
+HUNK = re.compile(r"^@@ -\S+ \+(?P<start>\d+)(?:,(?P<count>\d+))? @@", re.M)
+
+
+def changed_tests(commit: str, path: str) -> list[str]:
+    """The tests of an upstream test file that the commit adds or changes.
+
+    ``path`` is relative to tests/. A hunk inside a test function (or a
+    method of a test class) selects that test; a hunk inside any other
+    function (a fixture, a helper) selects every test that names it; a hunk
+    outside every function (imports, constants) selects the whole file.
+    Returns pytest node ids, or ``[path]`` for the whole file.
+    """
+    diff = "\n".join(
+        git_lines("diff", "-U0", f"{commit}^", commit, "--", f"tests/{path}")
+    )
+    lines: set[int] = set()
+    for m in HUNK.finditer(diff):
+        start, count = int(m.group("start")), int(m.group("count") or 1)
+        lines.update(range(start, start + max(count, 1)))
+    text = git_blob(f"{commit}:tests/{path}").decode()
+    # Blank and comment lines between functions select nothing.
+    source = text.splitlines()
+    lines = {
+        n
+        for n in lines
+        if n <= len(source) and source[n - 1].strip()[:1] not in ("", "#")
+    }
+    tree = ast.parse(text)
+    tests: dict[str, ast.AST] = {}  # node id -> test function
+    helpers: dict[str, ast.AST] = {}  # other functions, by name
+    for node in tree.body:
+        children = node.body if isinstance(node, ast.ClassDef) else [node]
+        for child in children:
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if child.name.startswith("test") and (
+                child is node or node.name.startswith("Test")
+            ):
+                key = child.name if child is node else f"{node.name}::{child.name}"
+                tests[f"{path}::{key}"] = child
+            else:
+                helpers[child.name] = child
+
+    def span(node: ast.AST) -> range:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
+        return range(first, node.end_lineno + 1)  # type: ignore[attr-defined]
+
+    def names(f: ast.AST) -> set[str]:
+        """Names a function reads (``self.helper`` too) and its parameters."""
+        found = {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+        found |= {n.attr for n in ast.walk(f) if isinstance(n, ast.Attribute)}
+        return found | {a.arg for a in f.args.args}  # type: ignore[attr-defined]
+
+    covered = {n for f in [*tests.values(), *helpers.values()] for n in span(f)}
+    if lines - covered:
+        return [path]
+    changed = {name for name, f in helpers.items() if lines & set(span(f))}
+    grew = True
+    while grew:  # helpers and fixtures that use a changed one changed too
+        more = {
+            n for n, f in helpers.items() if n not in changed and names(f) & changed
+        }
+        changed |= more
+        grew = bool(more)
+    return sorted(
+        key for key, f in tests.items() if lines & set(span(f)) or names(f) & changed
+    )
+
+
 def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     """One row per series prefix short of HEAD (HEAD is every other suite).
 
     In a detached worktree at the prefix's last commit: the lint tools of
     BISECT_LINTS over what the prefix touches and HEAD changes again (a file
     equal to HEAD's is linted on HEAD), that patch's own test modules
-    (added or changed), and ``--help`` of any script it adds under
+    (added or changed; of an upstream test module, the tests the patch
+    changes: ``changed_tests``), and ``--help`` of any script it adds under
     benchmarks/ (a smoke test: the script imports at that point).
     """
     commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
@@ -777,11 +848,24 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
                     lint_bad.append(name.removeprefix("lint:"))
             tests = patch_test_files(commit)
             notes = [plural(checked, "lint tool")]
-            # Upstream files run with their suite's marker (as on HEAD).
+            # Upstream files run with their suite's marker (as on HEAD), and
+            # only the tests the patch changes: HEAD runs the whole file.
             markers = {p: s.marker for s in SUITES for p in s.paths}
+            upstream = {
+                t for t in tests if git_ok("cat-file", "-e", f"{BASE_TAG}:tests/{t}")
+            }
             for marker in dict.fromkeys(markers.get(t) for t in tests):
-                group = [t for t in tests if markers.get(t) == marker]
-                sub = run_pytest(res.name, group, marker, 2, log, wenv,
+                group = [
+                    node
+                    for t in tests if markers.get(t) == marker
+                    for node in (changed_tests(commit, t) if t in upstream else [t])
+                ]  # fmt: skip
+                if not group:
+                    continue
+                # A few selected tests: xdist's workers would cost more than
+                # they save (each imports vLLM).
+                workers = 0 if all("::" in node for node in group) else 2
+                sub = run_pytest(res.name, group, marker, workers, log, wenv,
                                  cwd=worktree / "tests")  # fmt: skip
                 res.passed += sub.passed
                 res.failed += sub.failed
@@ -874,33 +958,58 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
 
 
 def run_mutations(log: Path, env: dict[str, str]) -> Result:
-    """Each exported test file fails on a fork with its deliberate break."""
-    worktree = ROOT / "build" / "mutant"
-    add_worktree(worktree, "HEAD")
-    wenv = dict(env, PYTHONPATH=str(worktree))
-    res = Result("mutations")
-    missed = []
-    try:
-        for test, target, old, new in MUTATIONS:
+    """Each exported test file fails on a fork with its deliberate break.
+
+    Two breaks run at a time (one per core), each in a worktree of its own;
+    every pytest run writes its own log, appended to ``log`` in order.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    from queue import Queue
+
+    worktrees: Queue[Path] = Queue()
+    for i in range(2):
+        worktree = ROOT / "build" / f"mutant-{i}"
+        add_worktree(worktree, "HEAD")
+        worktrees.put(worktree)
+
+    def mutate(index: int) -> tuple[str, str | None]:
+        test, target, old, new = MUTATIONS[index]
+        worktree = worktrees.get()
+        part = log.with_suffix(f".{index}.log")
+        part.write_text(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
+        try:
             path = worktree / target
             text = path.read_text(encoding="utf-8")
             if text.count(old) != 1:
-                res.failed += 1
-                missed.append(f"{Path(test).name}: mutation no longer applies")
-                continue
+                return (
+                    part.read_text(),
+                    f"{Path(test).name}: mutation no longer applies",
+                )
             path.write_text(text.replace(old, new), encoding="utf-8")
-            with open(log, "a", encoding="utf-8") as f:
-                f.write(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
+            wenv = dict(env, PYTHONPATH=str(worktree))
             rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                             "-x", test], worktree / "tests", log, wenv)  # fmt: skip
+                             "-x", test], worktree / "tests", part, wenv)  # fmt: skip
             path.write_text(text, encoding="utf-8")
-            if rc == 1:
-                res.passed += 1
-            else:
-                res.failed += 1
-                missed.append(f"{Path(test).name}: exit {rc}, not caught")
+            missed = None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
+            return part.read_text(), missed
+        finally:
+            part.unlink(missing_ok=True)
+            worktrees.put(worktree)
+
+    res = Result("mutations")
+    missed = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(mutate, range(len(MUTATIONS))))
     finally:
-        remove_worktree(worktree)
+        for i in range(2):
+            remove_worktree(ROOT / "build" / f"mutant-{i}")
+    with open(log, "a", encoding="utf-8") as f:
+        for text, miss in outcomes:
+            f.write(text)
+            res.passed += miss is None
+            res.failed += miss is not None
+            missed += [miss] if miss else []
     res.note = f"{res.passed} of {len(MUTATIONS)} breaks caught" + (
         "; " + "; ".join(missed) if missed else ""
     )

@@ -75,15 +75,10 @@ def run_upgrade(
         note: Progress callback.
 
     """
-    # One process per tree: it holds both sides when P and D share the tree.
     procs = Processes(trees)
     rows = []
     try:
         for p_tree, d_tree in PAIRS:
-            roles = (("prefill", p_tree), ("decode", d_tree))
-            for tree in trees:  # shut down the sides this pair does not use
-                keep = [engine for engine, t in roles if t == tree]
-                procs.get(tree, "sides").ask(op="drop", keep=keep)
             row = _pair(procs, p_tree, d_tree, transfers, geometry)
             note(
                 f"rolling-upgrade {p_tree} P -> {d_tree} D: "
@@ -102,7 +97,7 @@ def _pair(
     transfers: dict[str, list[Any]],
     geometry: dict[str, int],
 ) -> dict[str, Any]:
-    p, d = procs.get(p_tree, "sides"), procs.get(d_tree, "sides")
+    p, d = procs.pair(p_tree, d_tree)
     row: dict[str, Any] = {
         "prefiller": LABELS[p_tree],
         "decoder": LABELS[d_tree],
