@@ -4,16 +4,18 @@
 A rolling upgrade pairs a stock 0.33.0 instance with a patched one. Here each
 side of a pair is what a user sets (``Config``: the tree, the model, device or
 host staging, ``--block-size``, ``VLLM_KV_CACHE_LAYOUT``, NIXL alone or in a
-MultiConnector) and runs in a process of its own with its tree on
-``PYTHONPATH``. That process resolves the KV cache layout with its tree's own
-``resolve_kv_cache_layout`` (as on CUDA, where the connector's preference
-applies), builds the layout with vLLM's planner and allocator
-(``layout_zoo``) and a pull worker with real NIXL, and exchanges what the
-deployment's side channel carries: the prefiller's handshake payload
-(compatibility hash checked as ``_nixl_handshake`` checks it), then the
-request's block ids. The decoder reads the request through its own read path
-from the prefiller's memory in the other process, and checks every page it
-received against the bytes the prefiller holds for it.
+MultiConnector) and runs in a process of its tree, with that tree on
+``PYTHONPATH`` (one process per tree: P and D of one tree share it, each
+side with its own worker and agent). The side resolves the KV cache layout
+with its tree's own ``resolve_kv_cache_layout`` (as on CUDA, where the
+connector's preference applies), builds the layout with vLLM's planner and
+allocator (``layout_zoo``) and a pull worker with real NIXL, and exchanges
+what the deployment's side channel carries: the prefiller's handshake
+payload (compatibility hash checked as ``_nixl_handshake`` checks it), then
+the request's block ids. The decoder reads the request through its own read
+path from the prefiller's memory (in the other process when the trees
+differ), and checks every page it received against the bytes the prefiller
+holds for it.
 
     python -m checks.cross_tree --stock build/stock --fork build/vllm
 
