@@ -10,12 +10,12 @@ series: BLHNC, one whole-row region), builds the main job's geometry (78
 layers, 4-token pages) with vLLM's planner and allocator, and registers it
 with a real pull worker. The decoder handshakes with the prefiller's payload
 (compatibility hash checked) and reads the job's replayed requests through
-its own read path over UCX, across the two processes: the prefiller's block
-ids from the prefiller tree's pools, the decoder's from the decoder tree's
-(the same requests). One process per tree holds whichever sides the pair
-puts on that tree (both for stock + stock). Every READ is checked: each
-layer's pages of the request on D must hash to P's, and nothing else of D
-may change.
+its own read path over UCX, across two processes when the trees differ:
+the prefiller's block ids from the prefiller tree's pools, the decoder's
+from the decoder tree's (the same requests). One process per tree holds
+whichever sides the pair puts on that tree (both for stock + stock). Every
+READ is checked: each layer's pages of the request on D must hash to P's,
+and nothing else of D may change.
 
 Descriptors per READ are NIXL's telemetry; no time is reported (the two
 processes run unstopped, not on the quiet rig).
@@ -42,8 +42,10 @@ TEXT = (
     "CUDA) and registers it with a real pull worker; the decoder handshakes "
     "with the prefiller's payload (compatibility hash checked) and reads the "
     "job's replayed requests (the prefiller's ids from its tree's pools, the "
-    "decoder's from its own) through its own read path over UCX across the "
-    "two processes. Every READ checked: each layer's pages on D hash to P's "
+    "decoder's from its own) through its own read path over UCX, across the "
+    "two processes when the trees differ (one process per tree: stock + stock "
+    "and series + series share it). Every READ checked: each layer's pages on "
+    "D hash to P's "
     "and no other byte of D changes. Descriptors per READ from NIXL "
     "telemetry; no time (the two processes are not on the quiet rig)."
 )
