@@ -862,10 +862,7 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
                 ]  # fmt: skip
                 if not group:
                     continue
-                # A few selected tests: xdist's workers would cost more than
-                # they save (each imports vLLM).
-                workers = 0 if all("::" in node for node in group) else 2
-                sub = run_pytest(res.name, group, marker, workers, log, wenv,
+                sub = run_pytest(res.name, group, marker, 2, log, wenv,
                                  cwd=worktree / "tests")  # fmt: skip
                 res.passed += sub.passed
                 res.failed += sub.failed
