@@ -502,7 +502,15 @@ def _child() -> int:
 
 class _Process:
     def __init__(self, tree: Path, log: Any = subprocess.DEVNULL) -> None:
-        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
+        # The side's tree replaces any vLLM tree on the parent's path; the
+        # rest of it (a test run's sitecustomize directory) stays.
+        rest = [
+            entry
+            for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
+        ]
+        path = [str(tree), *dict.fromkeys([str(ROOT), *rest])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "checks.cross_tree", "--child"],
             cwd=ROOT,

@@ -55,6 +55,8 @@ from fork import BASE_TAG, ROOT, TREE, load_manifest
 from fork import CACHE_DIR as CACHE
 
 RESULTS = ROOT / "build" / "test-results"
+PLUGINS = ROOT / "tools" / "pytest_plugins"
+TEST_SITE = ROOT / "tools" / "test_site"  # sitecustomize of every test process
 MYPY_BASELINE = ROOT / "tools" / "mypy_baseline.txt"
 PYTHON = sys.executable
 
@@ -135,13 +137,12 @@ SUITES: list[Suite] = [
     Suite("lint:project", "lint-project", quick=True),
     # The series' Buildkite CPU job, its pytest command lines verbatim.
     Suite("buildkite:nixl-cpu-job", "buildkite", quick=True),
-    # Series test files that job does not run (the GPU tests: they skip here).
-    Suite("series-tests", "series", workers=2, quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
-    # Every shorter prefix of the series: its patch's lint and tests there.
-    Suite("bisect", "bisect"),
+    # The series and pytest suites below share one pytest run (run_batch).
+    # Series test files that job does not run (the GPU tests: they skip here).
+    Suite("series-tests", "series", workers=2, quick=True),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
           paths=(f"{UNIT}/test_nixl_connector.py",)),
     Suite("nixl-connector-hma", "pytest", marker="cpu_test", workers=2, stock=98,
@@ -155,6 +156,8 @@ SUITES: list[Suite] = [
         "v1/core/test_single_type_kv_cache_manager.py",
         "v1/core/test_deferred_block_free.py",
     )),
+    # Every shorter prefix of the series: its patch's lint and tests there.
+    Suite("bisect", "bisect"),
     Suite("checks", "checks", workers=2),
     Suite("mutations", "mutations"),
 ]  # fmt: skip
@@ -347,6 +350,11 @@ def series_test_files() -> list[str]:
     return out
 
 
+def pythonpath(*dirs: Path) -> str:
+    """``PYTHONPATH`` of a test process: ``dirs``, then ``TEST_SITE``."""
+    return os.pathsep.join(str(d) for d in [*dirs, TEST_SITE])
+
+
 def run_env() -> dict[str, str]:
     env = dict(os.environ)
     hf_home = Path(os.environ.get("HF_DIR", ROOT / "build" / "hf"))
@@ -355,7 +363,7 @@ def run_env() -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_TARGET_DEVICE="cpu",
-        PYTHONPATH=str(TREE),
+        PYTHONPATH=pythonpath(TREE),
         PATH=f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",
         # Compile vLLM once for every test process, outside the trees.
         PYTHONPYCACHEPREFIX=str(CACHE / "pyc"),
@@ -402,8 +410,9 @@ def load_mypy_module() -> object:
 
 
 def mypy_errors(
-    tree: Path, files: list[str], log: Path, env: dict[str, str]
-) -> collections.Counter[str]:
+    tree: Path, files: list[str], log: Path, env: dict[str, str],
+    cache: Path = CACHE / "mypy",
+) -> collections.Counter[str]:  # fmt: skip
     """Run upstream's mypy.py per file group; return 'path: message' counts.
 
     mypy.py runs each group with different options; a cache shared between
@@ -416,7 +425,7 @@ def mypy_errors(
         if not group_files:
             continue
         genv = dict(env)
-        genv["MYPY_CACHE_DIR"] = str(CACHE / "mypy" / (group or "default"))
+        genv["MYPY_CACHE_DIR"] = str(cache / (group or "default"))
         cmd = [PYTHON, "tools/pre_commit/mypy.py", "3.11", *group_files]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=tree, env=genv, capture_output=True, text=True)
@@ -445,10 +454,11 @@ def load_baseline() -> collections.Counter[str]:
 
 
 def run_mypy(
-    tree: Path, files: list[str], log: Path, env: dict[str, str]
-) -> tuple[int, int]:
+    tree: Path, files: list[str], log: Path, env: dict[str, str],
+    cache: Path = CACHE / "mypy",
+) -> tuple[int, int]:  # fmt: skip
     """mypy on ``files`` in ``tree``: (new errors, stock errors ignored)."""
-    errors = mypy_errors(tree, files, log, env)
+    errors = mypy_errors(tree, files, log, env, cache)
     new = errors - load_baseline()
     known = sum(errors.values()) - sum(new.values())
     with open(log, "a", encoding="utf-8") as f:
@@ -588,11 +598,12 @@ def lint_files(suite: Suite, touched: list[str]) -> list[str]:
 
 
 def lint_in(
-    suite: Suite, tree: Path, files: list[str], log: Path, env: dict[str, str]
-) -> tuple[bool, int, str]:
+    suite: Suite, tree: Path, files: list[str], log: Path, env: dict[str, str],
+    mypy_cache: Path = CACHE / "mypy",
+) -> tuple[bool, int, str]:  # fmt: skip
     """Run one lint tool in ``tree``: (ok, findings, extra note)."""
     if suite.name == "lint:mypy":
-        new, known = run_mypy(tree, files, log, env)
+        new, known = run_mypy(tree, files, log, env, mypy_cache)
         return not new, new, f"{known} stock errors ignored" if known else ""
     if suite.name == "lint:typos":
         new, known = run_typos(suite, tree, files, log, env)
@@ -675,10 +686,43 @@ def skip_note(reasons: collections.Counter[str]) -> str:
     return "skipped: " + "; ".join(shown) + (f"; +{more} more" if more > 0 else "")
 
 
+@dataclass(frozen=True)
+class Case:
+    """One testcase of a junit file."""
+
+    classname: str
+    outcome: str  # "passed" | "failed" | "skipped"
+    reason: str | None  # why it skipped
+    seconds: float
+
+
+def junit_cases(path: Path) -> list[Case]:
+    """The testcases of a junit xml file."""
+    out: list[Case] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, reason = "passed", None
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif (skip := case.find("skipped")) is not None:
+            outcome = "skipped"
+            reason = (skip.get("message") or skip.text or "no reason").strip()
+            reason = reason.removeprefix("Skipped: ")[:80]
+        seconds = float(case.get("time") or 0)
+        out.append(Case(case.get("classname") or "", outcome, reason, seconds))
+    return out
+
+
+def test_module(path: str) -> str:
+    """The junit classname prefix of a test file (or node id) under tests/."""
+    return "tests." + path.split("::")[0].removesuffix(".py").replace("/", ".")
+
+
 def run_pytest(
     name: str, paths: Sequence[str], marker: str | None, workers: int,
     log: Path, env: dict[str, str], cwd: Path = TREE / "tests",
+    file_markers: dict[str, str] | None = None,
 ) -> Result:  # fmt: skip
+    """One pytest run; ``file_markers``: a marker the tests of a file need."""
     res = Result(name)
     if not paths:  # pytest without paths would collect all of tests/
         raise ValueError(f"suite {name}: no test paths")
@@ -690,6 +734,13 @@ def run_pytest(
         cmd += ["-m", marker]
     if workers:
         cmd += ["-n", str(workers)]
+    if file_markers:
+        cmd += ["-p", "file_markers"]
+        env = dict(
+            env,
+            RUN_TESTS_FILE_MARKERS=json.dumps(file_markers),
+            PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(PLUGINS)]),
+        )
     rc = run_logged(cmd, cwd, log, env)
     notes = [plural(len(paths), "file")]
     if junit.exists():
@@ -798,6 +849,9 @@ def changed_tests(commit: str, path: str) -> list[str]:
     )
 
 
+BISECT_LANES = 2  # a prefix's pytest and mypy runs take one core each
+
+
 def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     """One row per series prefix short of HEAD (HEAD is every other suite).
 
@@ -807,87 +861,128 @@ def run_bisect(log: Path, env: dict[str, str]) -> list[Result]:
     (added or changed; of an upstream test module, the tests the patch
     changes: ``changed_tests``), and ``--help`` of any script it adds under
     benchmarks/ (a smoke test: the script imports at that point).
+
+    Two prefixes run at a time, longest first, each lane in a worktree of its
+    own with a copy of HEAD's mypy cache (a prefix differs little from HEAD,
+    so the copy holds); each prefix writes its own log, appended to ``log``
+    in order. A row's seconds are that prefix's wall time.
     """
+    from concurrent.futures import ThreadPoolExecutor
+    from queue import Queue
+
     commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
-    results: list[Result] = []
-    worktree = ROOT / "build" / "bisect"
-    by_name = {s.name: s for s in SUITES}
     names = [patch.name for patch in load_manifest().patches]
-    # Longest prefix first: each step then differs least from the last tree
-    # mypy checked (HEAD's, then the previous prefix's), so its cache holds.
-    for k, commit in reversed(list(enumerate(commits[:-1], start=1))):
-        subject = git_lines("log", "-1", "--format=%s", commit)[0]
-        slug = names[k - 1] if k <= len(names) else "unsaved"
-        res = Result(f"bisect:{k:04d}-{slug}")
-        start = time.monotonic()
-        add_worktree(worktree, commit)
-        wenv = dict(env, PYTHONPATH=str(worktree))
+    prefixes = list(reversed(list(enumerate(commits[:-1], start=1))))
+    lanes: Queue[tuple[Path, Path]] = Queue()
+    made: list[tuple[Path, Path]] = []
+    for i in range(min(BISECT_LANES, len(prefixes))):
+        lane = (ROOT / "build" / f"bisect-{i}", CACHE / f"mypy-bisect-{i}")
+        add_worktree(lane[0], "HEAD")
+        shutil.rmtree(lane[1], ignore_errors=True)
+        if (CACHE / "mypy").is_dir():
+            shutil.copytree(CACHE / "mypy", lane[1])
+        made.append(lane)
+        lanes.put(lane)
+
+    def run(prefix: tuple[int, str]) -> tuple[Result, str]:
+        k, commit = prefix
+        worktree, cache = lanes.get()
+        part = log.with_suffix(f".{k}.log")
+        part.write_text("", encoding="utf-8")
         try:
-            with open(log, "a", encoding="utf-8") as f:
-                f.write(f"\n=== prefix {k}: {commit[:12]} {subject}\n")
-            # A file as HEAD has it was linted on HEAD: lint what differs.
-            differs = set(git_lines("diff", "--name-only", commit, "HEAD"))
-            touched = [
-                f for f in git_lines(
-                    "diff", "--name-only", "--no-renames", "--diff-filter=d",
-                    f"{BASE_TAG}..{commit}",
-                ) if not PRECOMMIT_EXCLUDE.match(f) and f in differs
-            ]  # fmt: skip
-            lint_bad: list[str] = []
-            checked = 0
-            for name in BISECT_LINTS:
-                suite = by_name[name]
-                files = lint_files(suite, touched)
-                if not files or (
-                    name == "lint:markdownlint" and not MARKDOWNLINT.exists()
-                ):
-                    continue
-                ok, _, _ = lint_in(suite, worktree, files, log, wenv)
-                checked += 1
-                if not ok:
-                    lint_bad.append(name.removeprefix("lint:"))
-            tests = patch_test_files(commit)
-            notes = [plural(checked, "lint tool")]
-            # Upstream files run with their suite's marker (as on HEAD), and
-            # only the tests the patch changes: HEAD runs the whole file.
-            markers = {p: s.marker for s in SUITES for p in s.paths}
-            upstream = {
-                t for t in tests if git_ok("cat-file", "-e", f"{BASE_TAG}:tests/{t}")
-            }
-            for marker in dict.fromkeys(markers.get(t) for t in tests):
-                group = [
-                    node
-                    for t in tests if markers.get(t) == marker
-                    for node in (changed_tests(commit, t) if t in upstream else [t])
-                ]  # fmt: skip
-                if not group:
-                    continue
-                sub = run_pytest(res.name, group, marker, 2, log, wenv,
-                                 cwd=worktree / "tests")  # fmt: skip
-                res.passed += sub.passed
-                res.failed += sub.failed
-                res.skipped += sub.skipped
-            if tests:
-                notes.append(plural(len(tests), "test file"))
-            added = git_lines(
-                "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit
-            )
-            for script in (
-                f for f in added if f.startswith("benchmarks/") and f.endswith(".py")
-            ):
-                rc = run_logged([PYTHON, script, "--help"], worktree, log, wenv)
-                res.passed += int(rc == 0)
-                res.failed += int(rc != 0)
-                notes.append(f"{Path(script).name} --help")
-            if lint_bad:
-                res.failed += 1
-                notes.append("lint failed: " + ", ".join(lint_bad))
-            res.note = "; ".join(notes)
-            res.seconds = time.monotonic() - start
+            subprocess.run(
+                ["git", "-C", str(worktree), "checkout", "-q", "-f", "--detach",
+                 commit], check=True, capture_output=True,
+            )  # fmt: skip
+            slug = names[k - 1] if k <= len(names) else "unsaved"
+            res = bisect_prefix(f"bisect:{k:04d}-{slug}", k, commit, worktree,
+                                cache, part, env)  # fmt: skip
+            return res, part.read_text(encoding="utf-8")
         finally:
+            part.unlink(missing_ok=True)
+            lanes.put((worktree, cache))
+
+    try:
+        with ThreadPoolExecutor(BISECT_LANES) as pool:
+            outcomes = list(pool.map(run, prefixes))
+    finally:
+        for worktree, cache in made:
             remove_worktree(worktree)
-        results.append(res)
-    return sorted(results, key=lambda r: r.name)
+            shutil.rmtree(cache, ignore_errors=True)
+    with open(log, "a", encoding="utf-8") as f:
+        for _, text in outcomes:
+            f.write(text)
+    return sorted((res for res, _ in outcomes), key=lambda r: r.name)
+
+
+def bisect_prefix(
+    row: str, k: int, commit: str, worktree: Path, mypy_cache: Path, log: Path,
+    env: dict[str, str],
+) -> Result:  # fmt: skip
+    """Lint and test prefix ``k`` (its last commit checked out in worktree)."""
+    by_name = {s.name: s for s in SUITES}
+    res = Result(row)
+    start = time.monotonic()
+    wenv = dict(env, PYTHONPATH=pythonpath(worktree))
+    subject = git_lines("log", "-1", "--format=%s", commit)[0]
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"\n=== prefix {k}: {commit[:12]} {subject}\n")
+    # A file as HEAD has it was linted on HEAD: lint what differs.
+    differs = set(git_lines("diff", "--name-only", commit, "HEAD"))
+    touched = [
+        f for f in git_lines(
+            "diff", "--name-only", "--no-renames", "--diff-filter=d",
+            f"{BASE_TAG}..{commit}",
+        ) if not PRECOMMIT_EXCLUDE.match(f) and f in differs
+    ]  # fmt: skip
+    lint_bad: list[str] = []
+    checked = 0
+    for name in BISECT_LINTS:
+        suite = by_name[name]
+        files = lint_files(suite, touched)
+        if not files or (name == "lint:markdownlint" and not MARKDOWNLINT.exists()):
+            continue
+        ok, _, _ = lint_in(suite, worktree, files, log, wenv, mypy_cache=mypy_cache)
+        checked += 1
+        if not ok:
+            lint_bad.append(name.removeprefix("lint:"))
+    tests = patch_test_files(commit)
+    notes = [plural(checked, "lint tool")]
+    # Upstream files run with their suite's marker (as on HEAD), and
+    # only the tests the patch changes: HEAD runs the whole file. One
+    # pytest run, no xdist: a worker costs more to start (it imports
+    # torch and vLLM) than the few tests of a patch take.
+    markers = {p: s.marker for s in SUITES for p in s.paths if s.marker}
+    upstream = {t for t in tests if git_ok("cat-file", "-e", f"{BASE_TAG}:tests/{t}")}
+    nodes = [
+        node
+        for t in tests
+        for node in (changed_tests(commit, t) if t in upstream else [t])
+    ]
+    if nodes:
+        sub = run_pytest(res.name, nodes, None, 0, log, wenv,
+                         cwd=worktree / "tests", file_markers={
+                             t: markers[t] for t in tests if t in markers
+                         })  # fmt: skip
+        res.passed, res.failed, res.skipped = (
+            sub.passed, sub.failed, sub.skipped
+        )  # fmt: skip
+    if tests:
+        notes.append(plural(len(tests), "test file"))
+    added = git_lines("diff", "--name-only", "--diff-filter=A", f"{commit}^", commit)
+    for script in (
+        f for f in added if f.startswith("benchmarks/") and f.endswith(".py")
+    ):
+        rc = run_logged([PYTHON, script, "--help"], worktree, log, wenv)
+        res.passed += int(rc == 0)
+        res.failed += int(rc != 0)
+        notes.append(f"{Path(script).name} --help")
+    if lint_bad:
+        res.failed += 1
+        notes.append("lint failed: " + ", ".join(lint_bad))
+    res.note = "; ".join(notes)
+    res.seconds = time.monotonic() - start
+    return res
 
 
 PROJECT_PY = ("tools", "checks")
@@ -925,7 +1020,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """The stock oracle on build/stock (two shards at once), then checks/."""
     stock = stock_worktree()
     CHECKS_OUT.mkdir(parents=True, exist_ok=True)
-    senv = dict(env, PYTHONPATH=f"{stock}{os.pathsep}{ROOT}")
+    senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
     procs = []
     with open(log, "a", encoding="utf-8") as out:
         for shard in range(2):
@@ -945,7 +1040,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
     cenv = dict(
         env,
-        PYTHONPATH=f"{TREE}{os.pathsep}{ROOT}",
+        PYTHONPATH=pythonpath(TREE, ROOT),
         STOCK_MATRIX=str(oracle),
         STOCK_TREE=str(stock),
     )
@@ -983,7 +1078,7 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
                     f"{Path(test).name}: mutation no longer applies",
                 )
             path.write_text(text.replace(old, new), encoding="utf-8")
-            wenv = dict(env, PYTHONPATH=str(worktree))
+            wenv = dict(env, PYTHONPATH=pythonpath(worktree))
             rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
                              "-x", test], worktree / "tests", part, wenv)  # fmt: skip
             path.write_text(text, encoding="utf-8")
@@ -1042,29 +1137,6 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
             res.failed += counts.failed or int(rc not in (0, 5))
         if commands:
             res.note = f"{plural(len(commands), 'pytest command')} of {CPU_JOB[1]}"
-    elif suite.kind == "series":
-        # The CPU job runs its files' real-NIXL tests (not cpu_test); their
-        # cpu_test tests and the other series files (GPU tests skip) run here.
-        in_job = {arg for cmd in cpu_job_commands() for arg in cmd}
-        files = series_test_files()
-        res = Result(suite.name)
-        notes = []
-        for paths, marker, tag in (
-            ([f for f in files if f not in in_job], suite.marker, "other"),
-            ([f for f in files if f in in_job], "cpu_test", "CPU job's cpu_test"),
-        ):
-            if not paths:
-                continue
-            part = run_pytest(
-                f"{suite.name}-{len(notes)}", paths, marker, suite.workers, log, env
-            )
-            res.passed += part.passed
-            res.failed += part.failed
-            res.skipped += part.skipped
-            notes.append(f"{tag}: {part.note}")
-        if not notes:
-            return [Result(suite.name, note="no series test files")]
-        res.note = "; ".join(notes)
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
@@ -1079,11 +1151,101 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
         res.note = "build + save leave the repo unchanged" if rc == 0 else "see log"
     else:
-        res = run_pytest(suite.name, suite.paths, suite.marker, suite.workers, log, env)
-    if suite.stock is not None:
-        stock = f"stock {suite.stock} passed"
-        res.note = f"{res.note}; {stock}" if res.note else stock
+        return run_batch([suite], env)
     return [res]
+
+
+BATCHED = ("series", "pytest")
+
+
+def run_batch(suites: list[Suite], env: dict[str, str]) -> list[Result]:
+    """The series and pytest suites in one pytest run, a row per suite.
+
+    Every pytest process imports torch and vLLM (``tests/conftest.py``, ~20 s
+    here, and again in each xdist worker), so the suites share one run; each
+    test file keeps its suite's marker (``file_markers``). A row counts the
+    testcases of its files; its seconds are its share of the run's wall time,
+    in proportion to its tests' summed durations.
+    """
+    # The CPU job runs its files' real-NIXL tests (not cpu_test); their
+    # cpu_test tests and the other series files (GPU tests skip) run here.
+    in_job = {arg for cmd in cpu_job_commands() for arg in cmd}
+    rows: list[tuple[Suite, dict[str, str | None]]] = []
+    for suite in suites:
+        if suite.kind == "series":
+            files = {
+                f: (None if f not in in_job else "cpu_test")
+                for f in series_test_files()
+            }
+        else:
+            files = dict.fromkeys(suite.paths, suite.marker)
+        rows.append((suite, files))
+    markers: dict[str, str] = {}
+    for _, files in rows:
+        for f, marker in files.items():
+            if f in markers or any(f in other for _, other in rows if other != files):
+                raise ValueError(f"{f} is in two batched suites")
+            if marker:
+                markers[f] = marker
+    paths = [f for _, files in rows for f in files]
+    name = rows[0][0].name if len(rows) == 1 else "pytest"
+    log = RESULTS / f"{name}.log"
+    log.write_text("", encoding="utf-8")
+    if not paths:
+        return [Result(s.name, note="no test files") for s, _ in rows]
+    start = time.monotonic()
+    workers = max(s.workers for s in suites)
+    run = run_pytest(name, paths, None, workers, log, env, file_markers=markers)
+    elapsed = time.monotonic() - start
+    junit = RESULTS / f"{name}.xml"
+    cases = junit_cases(junit) if junit.exists() else []
+    claimed: set[int] = set()
+    results: list[Result] = []
+    spent: list[float] = []
+    for suite, files in rows:
+        res = Result(suite.name)
+        modules = tuple(test_module(f) for f in files)
+        mine = [
+            i
+            for i, case in enumerate(cases)
+            if case.classname in modules
+            or case.classname.startswith(tuple(m + "." for m in modules))
+        ]
+        claimed.update(mine)
+        reasons: collections.Counter[str] = collections.Counter()
+        for case in (cases[i] for i in mine):
+            res.passed += case.outcome == "passed"
+            res.failed += case.outcome == "failed"
+            res.skipped += case.outcome == "skipped"
+            if case.reason is not None:
+                reasons[case.reason] += 1
+        notes = [plural(len(files), "file")]
+        if reasons:
+            notes.append(skip_note(reasons))
+        if suite.stock is not None:
+            notes.append(f"stock {suite.stock} passed")
+        res.note = "; ".join(notes)
+        results.append(res)
+        spent.append(sum(cases[i].seconds for i in mine))
+        if len(rows) > 1:
+            shutil.copyfile(log, RESULTS / f"{suite.name}.log")
+    # Collection errors belong to no file's row, nor does a pytest exit with
+    # no failed testcase: the first row takes them.
+    stray = sum(
+        1
+        for i, case in enumerate(cases)
+        if i not in claimed and case.outcome == "failed"
+    )
+    if stray:
+        results[0].failed += stray
+        results[0].note += f"; {plural(stray, 'failure')} outside its files"
+    elif run.failed and not any(r.failed for r in results):
+        results[0].failed += run.failed
+        results[0].note += f"; {run.note}"
+    total = sum(spent) or 1.0
+    for res, seconds in zip(results, spent, strict=True):
+        res.seconds = elapsed * seconds / total
+    return results
 
 
 def print_table(results: list[Result]) -> None:
@@ -1188,10 +1350,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     touched = touched_files()
     print(f"run_tests: {len(suites)} suite(s); series touches {len(touched)} file(s)")
     results: list[Result] = []
+    batch = [s for s in suites if s.kind in BATCHED]
     for i, suite in enumerate(suites, start=1):
-        print(f"[{i}/{len(suites)}] {suite.name} ...", end=" ", flush=True)
+        if suite in batch[1:]:
+            continue  # ran with batch[0]
+        label = " + ".join(s.name for s in batch) if suite in batch else suite.name
+        print(f"[{i}/{len(suites)}] {label} ...", end=" ", flush=True)
         start = time.monotonic()
-        rows = run_suite(suite, touched, env)
+        if suite in batch:
+            rows = run_batch(batch, env)
+        else:
+            rows = run_suite(suite, touched, env)
         elapsed = time.monotonic() - start
         if len(rows) == 1:
             rows[0].seconds = elapsed
@@ -1203,7 +1372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{status} ({passed} passed, {failed} failed, "
               f"{skipped} skipped, {elapsed:.1f}s)", flush=True)  # fmt: skip
         if failed:
-            log = RESULTS / f"{suite.name.replace(':', '-')}.log"
+            name = "pytest" if len(batch) > 1 and suite in batch else suite.name
+            log = RESULTS / f"{name.replace(':', '-')}.log"
             print(f"  log: {log.relative_to(ROOT)}\n{tail(log)}", flush=True)
     if not (args.only or args.quick):  # cover letters quote full runs only
         write_summary(results)
