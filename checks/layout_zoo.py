@@ -83,6 +83,11 @@ gpt-oss/LBNHC                   2        gpt-oss: GQA sliding (128) and full
                                          (``use_mla=False``); two groups whose
                                          layer pairs alias: L/2 regions.
 gpt-oss/BLHNC                   2        The same, block-outermost.
+gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
+                                         ``kv_buffer_device="cpu"``: per-layer
+                                         host buffers for layers whose device
+                                         views alias (a non-MLA model of 0001's
+                                         staging bug).
 nemotron-h/LBNHC                1        Nemotron-H-like Mamba2 + GQA hybrid
                                          (attention on every 4th layer); at L=4
                                          every group has one layer, so all four
@@ -342,6 +347,9 @@ _RECIPES: dict[str, _Recipe] = {
     "mla-swa/LBNHC": _Recipe("mla-swa", KVCacheLayout.LBNHC),
     "gpt-oss/LBNHC": _Recipe("gpt-oss", KVCacheLayout.LBNHC),
     "gpt-oss/BLHNC": _Recipe("gpt-oss", KVCacheLayout.BLHNC),
+    "gpt-oss+host-staging/LBNHC": _Recipe(
+        "gpt-oss", KVCacheLayout.LBNHC, host_staging=True
+    ),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
     "hisparse-glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, hisparse=True),
     "glm53-mtp+host-staging/BLHNC": _Recipe(

@@ -54,7 +54,12 @@ from checks.layout_zoo import (
 from checks.real_nixl import connect, probe_real_nixl, pull_request
 
 NUM_BLOCKS = 32
-_NON_MLA = {"gpt-oss/LBNHC", "gpt-oss/BLHNC", "nemotron-h/LBNHC"}
+_NON_MLA = {
+    "gpt-oss/LBNHC",
+    "gpt-oss/BLHNC",
+    "gpt-oss+host-staging/LBNHC",
+    "nemotron-h/LBNHC",
+}
 _STAGING = "glm53-mtp+host-staging/BLHNC"
 _MIRRORED = "glm53-mtp+mirrored-staging/BLHNC"
 
@@ -78,6 +83,19 @@ STOCK_CORRUPTS: dict[str, tuple[str, str | None]] = {
         "over aliased rows",
         "mirror_host_buffers",
     ),
+    # The same bug on a non-MLA model: gpt-oss's sliding-window and full
+    # layers alias in pairs under LBNHC, and per-layer staging copies each
+    # layer's host buffer for the other group's blocks too (8 of 16 layer
+    # pages wrong). The fork copies each group's layers with its own blocks
+    # (0001) and is exact.
+    **{
+        f"gpt-oss+host-staging/LBNHC->gpt-oss+host-staging/LBNHC:{variant}": (
+            "per-layer h2d staging copies every layer for every group's blocks "
+            "over aliased layer pairs",
+            None,
+        )
+        for variant in ("same", "num-blocks", "permuted")
+    },
     # Nemotron-H at 4 layers has one layer per transfer group, all aliasing
     # one region; P and D built with different permute_seeds number those
     # groups differently (P's group 0 is the attention layer, D's a Mamba

@@ -199,7 +199,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     (
         "v1/kv_connector/unit/test_nixl_host_staging_groups.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
-        "for group, group_block_ids in zip(groups, block_ids, strict=True):",
+        "for group, group_block_ids in zip(groups, block_ids):",
         "for group, group_block_ids in zip(groups, [sum(block_ids, [])] * 9):",
     ),
     (
@@ -231,7 +231,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     # evicted and notified changes the order of KV events and reuse calls.
     (
         "v1/core/test_block_pool_allocation_order.py"
-        "::test_sorted_pool_is_the_queue_pool_reordered",
+        "::test_sorted_pool_behaves_as_the_queue_pool",
         "vllm/v1/core/block_pool.py",
         "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n",
         "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n"

@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NIXL host staging of KV cache groups that overlay one block row.
 
-The planner lays a hybrid model's cache groups over the same block rows from
-byte 0 (a block id belongs to one group at a time), e.g. DeepSeek-V4's SWA,
-compressed and indexer caches. The staging copies must copy each layer's
+The planner lays a hybrid model's cache groups over shared KV cache tensors
+(a block id belongs to one group at a time): sliding-window and full attention
+layers (gpt-oss, Gemma-3), MLA and sliding-window MLA layers, DeepSeek-V4's
+SWA, compressed and indexer caches. The staging copies must copy each layer's
 blocks of its own group only: a layer's view of another group's block covers
 that group's KV, and the layer's host buffer holds nothing for it.
 """
@@ -175,6 +176,11 @@ def test_h2d_copies_each_layer_with_its_own_groups_blocks():
 
 @pytest.mark.cpu_test
 def test_d2h_copies_each_layer_with_its_own_groups_blocks():
+    """The d2h copy stages each layer's blocks of its own group, no others.
+
+    Copying the other groups' blocks too is not wrong (no decoder reads them
+    from this layer's buffer), only more bytes: the test pins the scope.
+    """
     worker, kv_cache_config, caches = _staging_worker("kv_producer")
     _fill(caches.values(), seed=1)
     for host in worker.host_xfer_buffers.values():
