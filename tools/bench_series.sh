@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# Before/after of the series' exported benchmark (patch
-# nixl-descriptor-benchmark): the fork's
-# benchmarks/kv_transfer/bench_nixl_descriptors.py, one file, run on stock
+# Before/after of the project's READ benchmark (it was the series' patch
+# nixl-descriptor-benchmark until the review dropped it from the exported
+# series): tools/bench/bench_nixl_descriptors.py, one file, run on stock
 # 0.33.0 (build/stock: a worktree of tag v0.33.0 of build/vllm, made here when
 # missing or modified) and on the fork (build/vllm). ROUNDS rounds (default 3),
 # alternating which tree runs first so neither gets the quieter machine; round
@@ -22,9 +22,9 @@ VPY=${ENV_DIR:-$ROOT/.venv}/bin/python
 TREE=$ROOT/build/vllm
 STOCK=$ROOT/build/stock
 BASE_TAG=v0.33.0
-BENCH=$TREE/benchmarks/kv_transfer/bench_nixl_descriptors.py
+BENCH=$ROOT/tools/bench/bench_nixl_descriptors.py
 ROUNDS=${ROUNDS:-3}
-[[ -f $BENCH ]] || { echo "bench_series: run tools/fork.py build first" >&2; exit 1; }
+[[ -d $TREE/.git ]] || { echo "bench_series: run tools/fork.py build first" >&2; exit 1; }
 if ! { [[ -e $STOCK/.git ]] && git -C "$STOCK" diff --quiet "$BASE_TAG" &&
        [[ -z $(git -C "$STOCK" status --porcelain) ]]; }; then
   git -C "$TREE" worktree remove --force "$STOCK" 2>/dev/null || true
@@ -77,7 +77,7 @@ for layout in args["layouts"]:
                      "cold_ms": float(np.median([x["cold"]["done_ms"] for x in res])),
                      "cold_descs": [x["cold"]["descs"] for x in res]})
 setup = (
-    f"`benchmarks/kv_transfer/bench_nixl_descriptors.py` of the fork, run on stock "
+    f"`tools/bench/bench_nixl_descriptors.py`, run on stock "
     f"vLLM 0.33.0 and on the series (HEAD {head}): {rounds} rounds, alternating "
     f"which tree runs first, the same SYNTHETIC block lists on both (seed = round). "
     f"Real NIXL over UCX on host DRAM, pull workers over planner-built caches of "

@@ -30,10 +30,7 @@ from unittest.mock import patch
 import msgspec
 import numpy as np
 import torch
-
-import vllm
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     RemoteMeta,
@@ -55,6 +52,9 @@ from vllm.v1.kv_cache_interface import (
     get_kv_quant_mode,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
 # GLM-5.3 bytes per token: MLA latent 576 (656 stored as fp8_ds_mla), indexer 132.
 MLA_HEAD, MLA_BYTES, INDEXER_BYTES = 576, 656, 132
