@@ -148,9 +148,15 @@ class Proc:
 
 
 def cpu_seconds(procs: Sequence[Proc]) -> float:
-    """CPU seconds (user + system) the processes and this one have used."""
+    """CPU seconds (user + system) this process and its children have used.
+
+    The live ``procs`` from /proc; children that have exited and been waited
+    for (closed ``Proc`` processes, the rolling upgrade's tree processes)
+    from ``os.times()``, so a step that closes processes counts what they
+    used instead of going negative.
+    """
     ticks = os.sysconf("SC_CLK_TCK")
-    total = sum(os.times()[:2])
+    total = sum(os.times()[:4])
     for proc in procs:
         if proc.process is None or not proc.process.is_alive():
             continue
