@@ -1180,13 +1180,10 @@ def run_batch(suites: list[Suite], env: dict[str, str]) -> list[Result]:
         else:
             files = dict.fromkeys(suite.paths, suite.marker)
         rows.append((suite, files))
-    markers: dict[str, str] = {}
-    for _, files in rows:
-        for f, marker in files.items():
-            if f in markers or any(f in other for _, other in rows if other != files):
-                raise ValueError(f"{f} is in two batched suites")
-            if marker:
-                markers[f] = marker
+    seen = collections.Counter(f for _, files in rows for f in files)
+    if twice := [f for f, n in seen.items() if n > 1]:
+        raise ValueError(f"test files in two batched suites: {twice}")
+    markers = {f: m for _, files in rows for f, m in files.items() if m}
     paths = [f for _, files in rows for f in files]
     name = rows[0][0].name if len(rows) == 1 else "pytest"
     log = RESULTS / f"{name}.log"
