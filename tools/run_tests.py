@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
@@ -660,32 +660,6 @@ class JunitCounts:
     skip_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-def parse_junit(path: Path) -> JunitCounts:
-    """Counts and skip reasons from a junit xml file."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    counts = JunitCounts()
-    tests = 0
-    for s in suites:
-        tests += int(s.get("tests", 0))
-        counts.failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
-        counts.skipped += int(s.get("skipped", 0))
-        for skip in s.iter("skipped"):
-            reason = (skip.get("message") or skip.text or "no reason").strip()
-            counts.skip_reasons[reason.removeprefix("Skipped: ")[:80]] += 1
-    counts.passed = tests - counts.failed - counts.skipped
-    return counts
-
-
-def skip_note(reasons: collections.Counter[str]) -> str:
-    """'skipped: reason (n); ...' for the table, most frequent first."""
-    if not reasons:
-        return ""
-    shown = [f"{why} ({n})" for why, n in reasons.most_common(2)]
-    more = len(reasons) - len(shown)
-    return "skipped: " + "; ".join(shown) + (f"; +{more} more" if more > 0 else "")
-
-
 @dataclass(frozen=True)
 class Case:
     """One testcase of a junit file."""
@@ -710,6 +684,32 @@ def junit_cases(path: Path) -> list[Case]:
         seconds = float(case.get("time") or 0)
         out.append(Case(case.get("classname") or "", outcome, reason, seconds))
     return out
+
+
+def tally(cases: Iterable[Case]) -> JunitCounts:
+    """Counts and skip reasons of some testcases."""
+    counts = JunitCounts()
+    for case in cases:
+        counts.passed += case.outcome == "passed"
+        counts.failed += case.outcome == "failed"
+        counts.skipped += case.outcome == "skipped"
+        if case.reason is not None:
+            counts.skip_reasons[case.reason] += 1
+    return counts
+
+
+def parse_junit(path: Path) -> JunitCounts:
+    """Counts and skip reasons from a junit xml file."""
+    return tally(junit_cases(path))
+
+
+def skip_note(reasons: collections.Counter[str]) -> str:
+    """'skipped: reason (n); ...' for the table, most frequent first."""
+    if not reasons:
+        return ""
+    shown = [f"{why} ({n})" for why, n in reasons.most_common(2)]
+    more = len(reasons) - len(shown)
+    return "skipped: " + "; ".join(shown) + (f"; +{more} more" if more > 0 else "")
 
 
 def test_module(path: str) -> str:
@@ -1209,16 +1209,13 @@ def run_batch(suites: list[Suite], env: dict[str, str]) -> list[Result]:
             or case.classname.startswith(tuple(m + "." for m in modules))
         ]
         claimed.update(mine)
-        reasons: collections.Counter[str] = collections.Counter()
-        for case in (cases[i] for i in mine):
-            res.passed += case.outcome == "passed"
-            res.failed += case.outcome == "failed"
-            res.skipped += case.outcome == "skipped"
-            if case.reason is not None:
-                reasons[case.reason] += 1
+        counts = tally(cases[i] for i in mine)
+        res.passed, res.failed, res.skipped = (
+            counts.passed, counts.failed, counts.skipped
+        )  # fmt: skip
         notes = [plural(len(files), "file")]
-        if reasons:
-            notes.append(skip_note(reasons))
+        if counts.skip_reasons:
+            notes.append(skip_note(counts.skip_reasons))
         if suite.stock is not None:
             notes.append(f"stock {suite.stock} passed")
         res.note = "; ".join(notes)
