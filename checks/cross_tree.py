@@ -57,7 +57,8 @@ class Config:
     Attributes:
         tree: ``stock`` (pristine 0.33.0) or ``fork`` (the series).
         model: Zoo family prefix (``dsv32``, ``glm53-mtp``, ``mla-swa``).
-        staging: ``kv_buffer_device="cpu"`` (per-layer host staging).
+        staging: ``kv_buffer_device="cpu"`` (host staging: per-layer buffers;
+            on the fork, one buffer mirroring a single-group MLA row).
         block_size: ``--block-size``, or None for the model's default (64).
         layout: ``VLLM_KV_CACHE_LAYOUT``, or None.
         multi: MultiConnector[NixlConnector, ExampleConnector] instead of
@@ -112,7 +113,8 @@ def _stock(**kw: Any) -> Config:
 
 
 # The cases 1-4, both directions: a rolling upgrade (stock <-> fork
-# defaults), a per-layer host-staging peer, one-sided settings (block size,
+# defaults, device or host staging, stock staging under its default layout or
+# BLHNC), a host-staging peer, one-sided settings (block size,
 # VLLM_KV_CACHE_LAYOUT, a MultiConnector) and rows shared by groups.
 CROSS_CASES: list[Pair] = [
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
@@ -120,6 +122,14 @@ CROSS_CASES: list[Pair] = [
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
     *_both_ways(_fork(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
     Pair(_stock(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
+    *_both_ways(
+        _stock(model="glm53-mtp", staging=True),
+        _fork(model="glm53-mtp", staging=True),
+    ),
+    *_both_ways(
+        _stock(model="glm53-mtp", staging=True, layout="BLHNC"),
+        _fork(model="glm53-mtp", staging=True),
+    ),
     Pair(_fork(model="dsv32", block_size=32), _fork(model="dsv32")),
     Pair(_stock(model="dsv32", block_size=32), _fork(model="dsv32")),
     Pair(_fork(model="dsv32"), _fork(model="dsv32", layout="LBNHC")),

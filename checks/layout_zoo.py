@@ -99,10 +99,11 @@ hisparse-glm53/BLHNC            8        HiSparse decoder over GLM-5.3 specs:
                                          indexer regions + L dense host regions
                                          (101 at L=78).
 glm53-mtp+host-staging/BLHNC    10       GLM-5.3 + MTP with
-                                         ``kv_buffer_device="cpu"``: the worker
-                                         registers its own per-layer host
-                                         staging buffers: 2L+2 dense regions
-                                         (103 at L=78).
+                                         ``kv_buffer_device="cpu"``: stock
+                                         registers per-layer host staging
+                                         buffers, 2L+2 dense regions (103 at
+                                         L=78); the fork one host buffer
+                                         mirroring the device row: 1.
 dsv32-pp2-stage0/BLHNC          4        PP=2 prefiller, stage 0 (layers 0-1):
                                          one region per page (78 at L=78).
 dsv32-pp2-stage1/BLHNC          4        PP=2 prefiller, stage 1 (layers 2-3).
@@ -135,8 +136,9 @@ dsv4/BLHNC                        1        6       DeepSeek-V4-Flash, first 8 la
 dsv4-mtp/BLHNC                    1        6       The same plus the MTP layer (its
                                                    SWA cache, ``is_draft``).
 dsv4-mtp+host-staging/BLHNC       27       6       ``kv_buffer_device="cpu"``: one
-                                                   dense host region per layer view.
-dsv4-mtp+mirrored-staging/BLHNC   1        6       With ``mirror_host_buffers``.
+                                                   dense host region per layer view
+                                                   (the groups share the rows, so
+                                                   the fork stages per layer too).
 dsv41/BLHNC                       1        7       DeepSeek-V4.1-Flash, 5 layers
                                                    (upstream's mono-layer topology) on
                                                    SM100: SWA caches (32-token
@@ -148,7 +150,7 @@ dsv41/BLHNC                       1        7       DeepSeek-V4.1-Flash, 5 layers
 dsv41+host-staging/BLHNC          -        7       Refused at registration, stock too
                                                    ("NIXL host staging does not
                                                    preserve CSA-linear shared
-                                                   tensors"); so is the mirrored one.
+                                                   tensors").
 ================================  =======  ======  ==================================
 
 Stock handshakes measured here (``D <- P``, same seed unless stated): every
@@ -317,8 +319,6 @@ class _Recipe:
         mtp: Add an MTP drafter layer (GLM-5.3, DeepSeek-V4).
         hisparse: Plan and allocate as a HiSparse decoder.
         host_staging: ``kv_buffer_device="cpu"`` on the worker.
-        mirror: With ``host_staging``, ``mirror_host_buffers`` (host buffers
-            laid out like the device allocation) instead of per-layer buffers.
         pp_stage: PP=2 stage this worker holds, or None for PP=1.
         synthetic: Hand-built (GLM row + separately allocated draft cache).
 
@@ -329,7 +329,6 @@ class _Recipe:
     mtp: bool = False
     hisparse: bool = False
     host_staging: bool = False
-    mirror: bool = False
     pp_stage: int | None = None
     synthetic: bool = False
 
@@ -355,23 +354,14 @@ _RECIPES: dict[str, _Recipe] = {
     "glm53-mtp+host-staging/BLHNC": _Recipe(
         "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True
     ),
-    "glm53-mtp+mirrored-staging/BLHNC": _Recipe(
-        "glm53", KVCacheLayout.BLHNC, mtp=True, host_staging=True, mirror=True
-    ),
     "glm53-mtp+host-staging/LBNHC": _Recipe(
         "glm53", KVCacheLayout.LBNHC, mtp=True, host_staging=True
     ),
     "dsv32+host-staging/BLHNC": _Recipe(
         "dsv32", KVCacheLayout.BLHNC, host_staging=True
     ),
-    "dsv32+mirrored-staging/BLHNC": _Recipe(
-        "dsv32", KVCacheLayout.BLHNC, host_staging=True, mirror=True
-    ),
     "dsv32+host-staging/LBNHC": _Recipe(
         "dsv32", KVCacheLayout.LBNHC, host_staging=True
-    ),
-    "dsv32+mirrored-staging/LBNHC": _Recipe(
-        "dsv32", KVCacheLayout.LBNHC, host_staging=True, mirror=True
     ),
     "dsv32-pp2-stage0/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=0),
     "dsv32-pp2-stage1/BLHNC": _Recipe("dsv32", KVCacheLayout.BLHNC, pp_stage=1),
@@ -384,15 +374,9 @@ _RECIPES: dict[str, _Recipe] = {
     "dsv4-mtp+host-staging/BLHNC": _Recipe(
         "dsv4", KVCacheLayout.BLHNC, mtp=True, host_staging=True
     ),
-    "dsv4-mtp+mirrored-staging/BLHNC": _Recipe(
-        "dsv4", KVCacheLayout.BLHNC, mtp=True, host_staging=True, mirror=True
-    ),
     "dsv41/BLHNC": _Recipe("dsv41", KVCacheLayout.BLHNC),
     "dsv41+host-staging/BLHNC": _Recipe(
         "dsv41", KVCacheLayout.BLHNC, host_staging=True
-    ),
-    "dsv41+mirrored-staging/BLHNC": _Recipe(
-        "dsv41", KVCacheLayout.BLHNC, host_staging=True, mirror=True
     ),
 }
 
@@ -757,9 +741,6 @@ def _configure(recipe: _Recipe, num_layers: int) -> Callable[[VllmConfig], None]
         if recipe.host_staging:
             assert config.kv_transfer_config is not None
             config.kv_transfer_config.kv_buffer_device = "cpu"
-            if recipe.mirror:
-                extra = config.kv_transfer_config.kv_connector_extra_config
-                extra["mirror_host_buffers"] = True
         if recipe.pp_stage is not None:
             parallel = config.parallel_config
             parallel.pipeline_parallel_size = 2
@@ -1161,21 +1142,6 @@ def make_zoo_worker(
                 layout.raws.append(raw)
                 seen.add(raw.data_ptr())
     return worker
-
-
-def with_mirrored_staging(layout: ZooLayout) -> ZooLayout:
-    """The layout with ``mirror_host_buffers`` set for its staging workers."""
-    configure = layout.configure
-
-    def mirror(config: VllmConfig) -> None:
-        if configure is not None:
-            configure(config)
-        assert config.kv_transfer_config is not None
-        config.kv_transfer_config.kv_connector_extra_config["mirror_host_buffers"] = (
-            True
-        )
-
-    return replace(layout, configure=mirror)
 
 
 def row_bytes(layout: ZooLayout) -> int:

@@ -37,7 +37,7 @@ NUM_BLOCKS = 512
 LAYOUTS = [
     ("glm53-mtp/BLHNC", 1),
     ("glm53-mtp/LBNHC", 10),
-    ("glm53-mtp+mirrored-staging/BLHNC", 1),
+    ("glm53-mtp+host-staging/BLHNC", 1),
     ("dsv4-mtp/BLHNC", 1),
     ("dsv41/BLHNC", 1),
 ]

@@ -32,14 +32,12 @@ MODEL_ROWS = {
     "dsv4-mtp/BLHNC": (1, 6),
     # Per-layer staging: one dense host region per layer view.
     "dsv4-mtp+host-staging/BLHNC": (27, 6),
-    "dsv4-mtp+mirrored-staging/BLHNC": (1, 6),
     "dsv41/BLHNC": (1, 7),
 }
 # Layouts whose workers refuse to register (stock does too): the message.
 REFUSED_AT_REGISTRATION = {
     # The V4.1 compressor ring (a CircularBufferSpec) shares its row.
     "dsv41+host-staging/BLHNC": "CSA-linear shared tensors",
-    "dsv41+mirrored-staging/BLHNC": "CSA-linear shared tensors",
 }
 
 

@@ -88,8 +88,8 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
     return [
         *_table(header, body),
         "",
-        "`-> N`: the decoder reads its regions as N (coalesced reads). Staging "
-        "rows: the series with `mirror_host_buffers`.",
+        "`-> N`: the decoder reads its regions as N (coalesced reads). Each "
+        "column runs in a process of its own tree (stock: v0.33.0).",
     ]
 
 
@@ -272,6 +272,34 @@ def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
+def render_staging_startup(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/bench/staging_startup.py --json: a staging worker's registration."""
+    labels = {
+        "stock": "stock (per-layer buffers)",
+        "fork": "this PR (mirror, torch.empty)",
+        "fork+zeros": "mirror with torch.zeros",
+    }
+    rows = [
+        (
+            labels.get(variant, variant),
+            f"{m['reg_s']:.3f}",
+            f"{m['d_rss']:.3f}",
+            m["regions"],
+        )
+        for variant, m in data["median"].items()
+    ]
+    first = data["runs"][0]
+    return _table(
+        ("variant", "register_kv_caches s", "RSS growth GiB", "regions"), rows
+    ) + [
+        "",
+        f"{data['layout']}, {first['num_blocks']:,} blocks of "
+        f"{first['row_bytes']:,} B ({first['host_gib']:.2f} GiB of host "
+        f"staging), real NIXL over UCX; median of {data['repeats']} fresh "
+        "processes. SYNTHETIC: no GPU, the device KV is host DRAM.",
+    ]
+
+
 SOURCES: dict[str, Source] = {
     "cross-tree": Source(
         ROOT / "build" / "checks" / "cross_tree.json",
@@ -303,6 +331,12 @@ SOURCES: dict[str, Source] = {
         render_allocator_step,
     ),
     "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
+    "staging-startup": Source(
+        BENCH / "staging_startup.json",
+        ".venv/bin/python tools/bench/staging_startup.py "
+        "--json build/bench/staging_startup.json",
+        render_staging_startup,
+    ),
 }
 
 

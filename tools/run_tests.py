@@ -244,6 +244,13 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "if merged and start <= merged[-1][1]:",
         "if merged and start < merged[-1][1]:",
     ),
+    # Mirroring rows that several transfer groups share.
+    (
+        "v1/kv_connector/unit/test_nixl_host_staging.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "and len(groups) == 1\n",
+        "and groups\n",
+    ),
     (
         "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",

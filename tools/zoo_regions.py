@@ -4,26 +4,31 @@
 For each prefill/decode pair of the project's planner-built layout zoo
 (``checks/layout_zoo.py``, GLM-5.3's layer count by default) build the two
 workers twice with the real registration and handshake (NIXL recorded, not
-called: registration and the read plan do not depend on it):
+called: registration and the read plan do not depend on it), each time in a
+process of its own tree:
 
-- stock: per-layer host staging buffers, standard reads;
-- series: mirrored host staging (``kv_connector_extra_config``
-  ``mirror_host_buffers``) where a side stages, coalesced reads on the decoder.
+- stock: the 0.33.0 tree (``--stock``, the main job's stock worktree by
+  default): per-layer host staging buffers, standard reads;
+- series: the fork (``--fork``): host staging mirroring single-group MLA
+  rows, coalesced reads on the decoder.
 
 and print the regions each side registers and the regions the decoder reads.
-"refused" is a handshake the worker refuses (as stock does for that pair).
-Run with the fork and the repository on PYTHONPATH:
+"refused" is a handshake the worker refuses. Run from the repository:
 
-    PYTHONPATH=build/vllm:. python tools/zoo_regions.py [--layers 78] [--json FILE]
+    python tools/zoo_regions.py [--layers 78] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PAIRS = [
     ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
@@ -39,23 +44,17 @@ PAIRS = [
     ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53-mtp+host-staging/BLHNC", "glm53-mtp/BLHNC"),
     ("dsv32+host-staging/LBNHC", "dsv32+host-staging/LBNHC"),
+    ("glm53-mtp+host-staging/LBNHC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
     ("synthetic/glm-draft-storage", "synthetic/glm-draft-storage"),
 ]
 
 
 def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> Any:
-    """A recorded-NIXL worker; stock or series staging and reads."""
+    """A recorded-NIXL worker of this process's tree."""
     layout = zoo.build_zoo_layout(name, num_blocks=16, num_layers=layers)
-    if series and layout.host_staging:
-        layout = zoo.with_mirrored_staging(layout)
-    if series:
-        return zoo.make_zoo_worker(
-            layout, engine_id=engine_id, coalesce=True, real_nixl=False
-        ), layout
-    # Mirrored staging is opt-in: without it a staging layout stages per layer.
     worker = zoo.make_zoo_worker(
-        layout, engine_id=engine_id, coalesce=False, real_nixl=False
+        layout, engine_id=engine_id, coalesce=series, real_nixl=False
     )
     return worker, layout
 
@@ -81,26 +80,59 @@ def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=78)
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    args = parser.parse_args(argv)
-
+def _column(column: str, layers: int) -> int:
+    """Child: one column's rows of this process's tree, as JSON on stdout."""
     # The main job's filter: log lines every CPU-only run prints are hidden
     # and counted, any other line is shown once.
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
     from job_noise import NOISE, filter_library_handlers, hide_expected_noise
 
     hide_expected_noise()
     import checks.layout_zoo as zoo
 
     filter_library_handlers()
+    series = column == "series"
+    rows = [_pair(zoo, p, d, layers, series=series) for p, d in PAIRS]
+    hidden = sum(NOISE.hidden.values())
+    print(json.dumps({"rows": rows, "hidden": hidden, "repeats": NOISE.repeats}))
+    return 0
 
+
+def _run_column(column: str, tree: Path, layers: int) -> dict[str, Any]:
+    """Run one column in a process with ``tree`` first on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))
+    done = subprocess.run(
+        [sys.executable, __file__, "--column", column, "--layers", str(layers)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=78)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--stock", type=Path, default=ROOT / "build" / "prefixes" / "v0.33.0"
+    )
+    parser.add_argument("--fork", type=Path, default=ROOT / "build" / "vllm")
+    parser.add_argument("--column", choices=["stock", "series"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.column:
+        return _column(args.column, args.layers)
+
+    columns = {
+        "stock": _run_column("stock", args.stock, args.layers),
+        "series": _run_column("series", args.fork, args.layers),
+    }
     rows = []
-    for p_name, d_name in PAIRS:
-        stock = _pair(zoo, p_name, d_name, args.layers, series=False)
-        series = _pair(zoo, p_name, d_name, args.layers, series=True)
+    for (p_name, d_name), stock, series in zip(
+        PAIRS, columns["stock"]["rows"], columns["series"]["rows"], strict=True
+    ):
         rows.append(
             {
                 "prefill": p_name,
@@ -137,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-    hidden = sum(NOISE.hidden.values())
-    if hidden or NOISE.repeats:
+    hidden = sum(c["hidden"] for c in columns.values())
+    repeats = sum(c["repeats"] for c in columns.values())
+    if hidden or repeats:
         print(
             f"({hidden} log lines every CPU-only run prints hidden, "
-            f"{NOISE.repeats} repeats of lines shown once)"
+            f"{repeats} repeats of lines shown once)"
         )
     return 0
 

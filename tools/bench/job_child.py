@@ -9,8 +9,7 @@ uses) are that tree's. It then answers the driver's commands over a pipe:
 - ``hello``: what the tree ships, by feature: ordered transfers
   (``sort_block_pairs``), the block pool's order under a NixlConnector (a
   real Scheduler of the tree binds one), coalesced reads
-  (the pull worker plans them), whether it reads
-  ``mirror_host_buffers``.
+  (the pull worker plans them).
 - ``resolve``: the layout the tree resolves by default for a model
   (``resolve_kv_cache_layout`` with a NixlConnector config, the model's specs
   and its backends' declared layouts).
@@ -46,7 +45,6 @@ import numpy as np
 NUM_LAYERS = 78
 ZOO_SCALE = 4
 PAGE_TOKENS = 4
-NIXL_PACKAGE = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 
 
 def _use_tree(tree: str) -> None:
@@ -59,20 +57,6 @@ def _use_tree(tree: str) -> None:
     sys.path[:] = [tree, *keep]
     os.environ.pop("VLLM_BLOCK_POOL_ALLOCATION_POLICY", None)
     os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
-
-
-def _with_extra_config(layout: Any, extra: dict[str, Any]) -> Any:
-    """The layout with ``kv_connector_extra_config`` entries for its workers."""
-    if not extra:
-        return layout
-    configure = layout.configure
-
-    def configure_extra(config: Any) -> None:
-        if configure is not None:
-            configure(config)
-        config.kv_transfer_config.kv_connector_extra_config.update(extra)
-
-    return replace(layout, configure=configure_extra)
 
 
 class Side:
@@ -95,7 +79,8 @@ class Side:
     def staging(self) -> str:
         if not self.stages:
             return "none"
-        return "mirrored" if getattr(self.worker, "_staged_rows", None) else "per-layer"
+        mirrored = getattr(self.worker, "_host_rows", None) is not None
+        return "mirrored" if mirrored else "per-layer"
 
 
 class Child:
@@ -103,7 +88,6 @@ class Child:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.extra = dict(spec.get("extra_config") or {})
         self.prefill: Side | None = None
         self.decode: Side | None = None
         self.transfers: list[Any] = []
@@ -142,10 +126,6 @@ class Child:
         # when its pull worker plans them.
         coalesce = hasattr(pull_worker, "plan_coalesced_reads")
         self.coalesce = coalesce
-        nixl_dir = Path(self.spec["tree"]) / NIXL_PACKAGE
-        reads_mirror = any(
-            '"mirror_host_buffers"' in f.read_text() for f in nixl_dir.glob("*.py")
-        )
         return {
             "vllm": str(Path(vllm.__file__).parent.parent),
             "import_s": time.perf_counter() - started,
@@ -159,7 +139,6 @@ class Child:
                     "D": self._pool_order("kv_consumer"),
                 },
                 "read": "coalesced" if coalesce else "standard",
-                "reads_mirror_host_buffers": reads_mirror,
             },
         }
 
@@ -210,7 +189,6 @@ class Child:
         config = create_vllm_config(
             block_size=PAGE_TOKENS,
             kv_role="kv_both",
-            kv_connector_extra_config=dict(self.extra),
         )
         config.cache_config.kv_cache_layout = None
         # What a user who sets nothing gets on a CUDA deployment (the backends
@@ -304,7 +282,7 @@ class Child:
                     configure=staging.configure,
                 )
             worker = zoo.make_zoo_worker(
-                _with_extra_config(layout, self.extra),
+                layout,
                 engine_id=f"{self.spec['key']}-{role}",
                 coalesce=self.coalesce,
             )

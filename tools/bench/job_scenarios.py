@@ -6,8 +6,7 @@ A scenario is a prefiller layout and a decoder layout of the layout zoo
 allocator), read by every variant of the series (``job_variants.py``: stock,
 then each prefix of the series as its tree ships it). A scenario may have
 several pairings (host staging: on both sides, on the decoder only), each a
-group of rows, and may add rows for configuration levers (``CONFIG_LEVERS``)
-that the series ships off by default.
+group of rows.
 
 Adding a scenario is one ``Scenario(...)`` entry in ``SCENARIOS`` (see the
 DeepSeek-V4 ones); ``default_layout`` reads the layout each tree resolves by
@@ -70,35 +69,6 @@ class Pairing:
 
 
 @dataclass(frozen=True)
-class ConfigLever:
-    """A lever the series ships as configuration, off by default.
-
-    Attributes:
-        name: Short name (variant key suffix).
-        label: Row label suffix, e.g. ``+ mirror_host_buffers``.
-        extra_config: ``kv_connector_extra_config`` entries that turn it on.
-        needle: Text whose presence under ``vllm/`` in a tree means the tree
-            reads the setting (``git grep``).
-
-    """
-
-    name: str
-    label: str
-    extra_config: tuple[tuple[str, object], ...]
-    needle: str
-
-
-CONFIG_LEVERS = {
-    "mirror_host_buffers": ConfigLever(
-        "mirror_host_buffers",
-        "+ mirror_host_buffers",
-        (("mirror_host_buffers", True),),
-        '"mirror_host_buffers"',
-    ),
-}
-
-
-@dataclass(frozen=True)
 class Scenario:
     """A prefiller/decoder layout pair and how it is read.
 
@@ -113,8 +83,6 @@ class Scenario:
         pairings: The row groups (staging sides).
         default_layout: Resolve ``{layout}`` per tree, or None.
         staging_recipe: Zoo layout whose config the staging workers use.
-        config_levers: ``CONFIG_LEVERS`` names that get a row on the whole
-            series (where the series' tree reads them).
         synthetic_layout: Hand-built layout vLLM never builds.
         model_block_tokens: The zoo model's own block size (DeepSeek-V4: 256
             tokens): its layouts are built at that block size and its layer
@@ -137,7 +105,6 @@ class Scenario:
     pairings: tuple[Pairing, ...] = (Pairing(),)
     default_layout: DefaultLayout | None = None
     staging_recipe: str | None = None
-    config_levers: tuple[str, ...] = ()
     synthetic_layout: bool = False
     model_block_tokens: int | None = None
     disjoint_groups: bool = False
@@ -189,11 +156,10 @@ SCENARIOS = (
             Pairing("D only", d_stages=True),
         ),
         staging_recipe="glm53-mtp+host-staging/BLHNC",
-        config_levers=("mirror_host_buffers",),
         description="kv_buffer_device=cpu on both sides (P+D) or on the decoder "
         "only (D only; stock refuses a staging prefiller with a device BLHNC "
-        "decoder): per-layer staging buffers (103 regions); mirrored staging "
-        "(one region) is opt-in (its own row)",
+        "decoder): stock stages in per-layer buffers (103 regions), the "
+        "mirrored staging patch in one buffer mirroring the device row (1)",
     ),
     Scenario(
         "hisparse",
@@ -221,7 +187,6 @@ SCENARIOS = (
             ),
         ),
         staging_recipe="dsv4-mtp+host-staging/BLHNC",
-        config_levers=("mirror_host_buffers",),
         model_block_tokens=256,
         disjoint_groups=True,
         description="8 layers + MTP at the model's page sizes and 256-token "
@@ -231,8 +196,9 @@ SCENARIOS = (
         "compressed caches, indexer K, compressor states) aliasing one "
         "whole-row region from byte 0, mixed page sizes (BLHNC only); READs "
         "move whole block rows, as stock does; P+D staging: per-layer host buffers "
-        "on both sides (a per-layer staging decoder from a device prefiller is "
-        "refused by stock and the series alike), mirrored staging opt-in",
+        "on both sides, in stock and the series (the groups share the rows; a "
+        "per-layer staging decoder from a device prefiller is refused by "
+        "stock and the series alike)",
     ),
     Scenario(
         "two-storage",

@@ -21,7 +21,7 @@ from job_noise import package_version
 DEFINITIONS = {
     "variants": "stock is the v0.33.0 tree; 0001, 0001-0002, ... each prefix of "
     "the series, every lever as that prefix ships it (its own tree, nothing "
-    "emulated); series + <lever>: the whole series with that opt-in setting.",
+    "emulated).",
     "registered descs": "regions x blocks of the KV memory one side registers "
     "with NIXL; regions P / D -> N: the decoder reads its regions as N "
     "(coalesced reads).",

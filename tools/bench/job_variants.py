@@ -15,10 +15,6 @@ names it. Row labels come from the manifest names (``series/manifest.toml``,
 matched to the commits by order) and the commit subjects, so the rows follow
 the series as it is reshaped.
 
-Configuration levers the series ships off by default (``CONFIG_LEVERS``, e.g.
-``mirror_host_buffers``) add one variant on the whole series' tree with the
-setting on, where that tree reads it.
-
 Stdlib only (git on the command line).
 """
 
@@ -28,8 +24,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from job_scenarios import CONFIG_LEVERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TREE = REPO_ROOT / "build" / "vllm"
@@ -52,15 +46,13 @@ class Variant:
     """One tree (and configuration) the job reads every scenario with.
 
     Attributes:
-        key: ``stock``, ``0001``... (the prefix's last patch), or
-            ``series+<lever>``.
+        key: ``stock`` or ``0001``... (the prefix's last patch).
         label: Row label.
         commit: Commit of ``build/vllm`` the tree is checked out at.
         tree: The worktree (``build/prefixes/...``).
         patches: ``NNNN name`` of every patch in the prefix.
         subject: Subject of the prefix's last patch (stock: the tag).
         series: The tree's ``vllm/`` is the whole series'.
-        lever: Configuration lever turned on (``CONFIG_LEVERS``), or None.
 
     """
 
@@ -71,12 +63,6 @@ class Variant:
     patches: tuple[str, ...] = ()
     subject: str = ""
     series: bool = False
-    lever: str | None = None
-
-    @property
-    def extra_config(self) -> dict[str, object]:
-        """``kv_connector_extra_config`` entries this variant sets."""
-        return dict(CONFIG_LEVERS[self.lever].extra_config) if self.lever else {}
 
     def record(self) -> dict[str, object]:
         """The variant as the JSON has it."""
@@ -88,8 +74,6 @@ class Variant:
             "patches": list(self.patches),
             "subject": self.subject,
             "series": self.series,
-            "lever": self.lever,
-            "extra_config": self.extra_config,
         }
 
 
@@ -100,14 +84,12 @@ class Series:
     head: str
     base_tag: str
     variants: list[Variant]
-    levers: dict[str, Variant] = field(default_factory=dict)
     no_row: list[str] = field(default_factory=list)
-    unread_levers: list[str] = field(default_factory=list)
     # build/vllm has uncommitted changes: the rows read its commits only.
     dirty: bool = False
 
     def by_key(self) -> dict[str, Variant]:
-        out = {v.key: v for v in [*self.variants, *self.levers.values()]}
+        out = {v.key: v for v in self.variants}
         out["series"] = self.variants[-1]
         return out
 
@@ -124,7 +106,7 @@ def _names(count: int) -> list[str]:
 
 
 def discover(tree: Path = TREE, base_tag: str = "v0.33.0") -> Series:
-    """Stock, the code prefixes of the series and its levers (no worktrees yet)."""
+    """Stock and the code prefixes of the series (no worktrees yet)."""
     if not (tree / ".git").exists():
         raise RuntimeError(f"{tree} is no git tree: run `python3 tools/fork.py build`")
     head = _git(tree, "rev-parse", "HEAD")
@@ -170,34 +152,7 @@ def discover(tree: Path = TREE, base_tag: str = "v0.33.0") -> Series:
             series=True,
         )
     dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
-    series = Series(head, base_tag, variants, no_row=no_row, dirty=dirty)
-    top = variants[-1]
-    for lever in CONFIG_LEVERS.values():
-        if not top.series:
-            break
-        reads = (
-            subprocess.run(
-                ["git", "grep", "-q", "-F", lever.needle, top.commit, "--", "vllm/"],
-                cwd=tree,
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
-        if not reads:
-            series.unread_levers.append(lever.name)
-            continue
-        series.levers[lever.name] = Variant(
-            f"series+{lever.name}",
-            f"series {lever.label}",
-            top.commit,
-            top.tree,
-            top.patches,
-            top.subject,
-            series=True,
-            lever=lever.name,
-        )
-    return series
+    return Series(head, base_tag, variants, no_row=no_row, dirty=dirty)
 
 
 def ensure_worktree(path: Path, commit: str, tree: Path = TREE) -> None:

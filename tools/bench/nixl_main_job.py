@@ -47,7 +47,7 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
      "written_at", "written_by", "command", "config", "environment",
      "setup": str, "rig": str, "lists_summary": str,
      "series": {"head", "base_tag", "no_row": ["NNNN name"],
-                "unread_levers": [str], "variants": [variant record]},
+                "variants": [variant record]},
      "facts": {variant key: {"levers", "import_s", "ucx_tls",
                "resolution": {scenario key: {"supported", "connector",
                                              "resolved"} | {"error"}}}},
@@ -257,9 +257,7 @@ class Job:
         self._mark = (time.perf_counter(), job_rig.cpu_seconds([]))
         self.series = discover()
         keys = self.series.by_key()
-        wanted = args.variants or [
-            v.key for v in [*self.series.variants, *self.series.levers.values()]
-        ]
+        wanted = args.variants or [v.key for v in self.series.variants]
         unknown = [k for k in wanted if k not in keys]
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; known: {sorted(keys)}")
@@ -286,7 +284,7 @@ class Job:
     def start(self) -> None:
         """Fork the processes; each imports its tree and says what it ships."""
         for v in self.chosen:
-            spec = {"tree": str(v.tree), "key": v.key, "extra_config": v.extra_config}
+            spec = {"tree": str(v.tree), "key": v.key}
             self.procs[v.key] = job_rig.Proc(v.key, _serve, spec).start()
         self.floor = job_rig.Proc("nixl-floor", job_rig.floor_serve, {}).start()
         self.note(
@@ -400,12 +398,6 @@ class Job:
             return per_variant, blocks
         return self.per_variant, self.layout_blocks
 
-    def members(self, scenario: Scenario, pairing: Pairing) -> list[Variant]:
-        # The configuration levers (host staging's) apply where a side stages.
-        stages = pairing.p_stages or pairing.d_stages
-        levers = scenario.config_levers if stages else ()
-        return [v for v in self.chosen if v.lever is None or v.lever in levers]
-
     def phase(
         self,
         scenario: Scenario,
@@ -414,7 +406,7 @@ class Job:
     ) -> list[dict[str, Any]]:
         """Build every variant's pair, READ them in turn, tear down."""
         args, where = self.args, f"{scenario.key} {pairing.label}".strip()
-        members = self.members(scenario, pairing)
+        members = self.chosen
         per_variant, num_blocks = self.lists_for(scenario)
         unresolved = {}
         for v in members:
@@ -485,12 +477,11 @@ class Job:
                 rows.append(row)
         for v in members:  # keep the device layouts later phases read
             keep = []
-            for s, p in later:
+            for s, _ in later:
                 with contextlib.suppress(ValueError):
-                    if v in self.members(s, p):
-                        keep += [
-                            list(k) for k in zip(self.layouts(s, v), "PD", strict=True)
-                        ]
+                    keep += [
+                        list(k) for k in zip(self.layouts(s, v), "PD", strict=True)
+                    ]
             clean = v in built and not stray.get(v.key)
             self.procs[v.key].post("teardown", keep=keep, clean=clean)
         for v in members:
@@ -609,7 +600,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "head": job.series.head,
             "base_tag": job.series.base_tag,
             "no_row": job.series.no_row,
-            "unread_levers": job.series.unread_levers,
             "variants": [v.record() for v in job.chosen],
         },
         "facts": job.facts,

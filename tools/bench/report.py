@@ -368,9 +368,7 @@ def _series_lines(payload: dict[str, Any]) -> list[str]:
         "Variants (each its own worktree of build/vllm, "
         f"series HEAD {series['head'][:12]}): "
         + "; ".join(
-            f"{v['key']} = {v['tree']} @ {v['commit'][:12]}"
-            + (f" + {v['lever']}" if v["lever"] else "")
-            for v in series["variants"]
+            f"{v['key']} = {v['tree']} @ {v['commit'][:12]}" for v in series["variants"]
         )
         + "."
     ]
@@ -378,12 +376,6 @@ def _series_lines(payload: dict[str, Any]) -> list[str]:
         lines.append(
             "No row of their own (they change nothing under vllm/): "
             + ", ".join(series["no_row"])
-            + "."
-        )
-    if series["unread_levers"]:
-        lines.append(
-            "Levers the series' tree does not read (no row): "
-            + ", ".join(series["unread_levers"])
             + "."
         )
     return lines

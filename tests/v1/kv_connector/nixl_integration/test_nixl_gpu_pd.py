@@ -5,7 +5,7 @@
 One prefill and one decode engine of a tiny DeepSeek-V2 (MLA) model with
 dummy weights, with the NIXL connector and no KV cache layout set, so the
 layout is the one NixlConnector resolves for MLA (BLHNC), reading VRAM or
-host staging buffers that mirror it (``mirror_host_buffers``), and once
+a host staging buffer that mirrors the row, and once
 with the prefiller set to LBNHC (per-layer pages, as a 0.33.0 instance
 registers them), which the decoder reads into its rows. Each side must
 have resolved the layout expected of it, every whole block of the prompt
@@ -91,7 +91,6 @@ def _make_llm(model_dir: Path, side_channel_port: int, staging: bool):
             kv_connector="NixlConnector",
             kv_role="kv_both",
             kv_buffer_device="cpu" if staging else "cuda",
-            kv_connector_extra_config={"mirror_host_buffers": staging},
         ),
     )
 

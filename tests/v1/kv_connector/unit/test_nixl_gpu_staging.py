@@ -2,11 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Mirrored NIXL host staging of VRAM caches (skipped without CUDA).
 
-``kv_buffer_device="cpu"`` with ``mirror_host_buffers``: VRAM caches staged to
-and from host buffers laid out like the device allocations, by the CUDA
-platform's block copies, between a staging and a device instance of the same
-layout. Caches come from vLLM's planner and allocator; workers run the real
-registration, handshake and read path (``nixl_dram_workers``).
+``kv_buffer_device="cpu"`` on a block-outermost MLA row: VRAM caches staged to
+and from a host buffer laid out like the device allocation, by the CUDA
+platform's block copies (``copy_kv_blocks``), between a staging and a device
+instance of the same layout. Caches come from vLLM's planner and allocator;
+workers run the real registration, handshake and read path
+(``nixl_dram_workers``).
 """
 
 import pytest
@@ -39,10 +40,9 @@ NUM_BLOCKS = 48
 LOCAL, REMOTE = [9, 8, 7, 3, 12], [20, 19, 18, 30, 2]
 
 
-def _mirrored_staging(config: VllmConfig) -> None:
+def _staging(config: VllmConfig) -> None:
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_buffer_device = "cpu"
-    config.kv_transfer_config.kv_connector_extra_config["mirror_host_buffers"] = True
 
 
 @pytest.mark.parametrize("staged", ["prefill", "decode", "both"])
@@ -61,7 +61,7 @@ def test_mirrored_staging_of_vram_blocks_reads_byte_exact(staged):
                 caches,
                 "BLHNC",
                 nixl,
-                configure=_mirrored_staging if stage else None,
+                configure=_staging if stage else None,
             )
             sides.append((worker, caches))
             assert worker.use_host_buffer == stage
@@ -73,7 +73,6 @@ def test_mirrored_staging_of_vram_blocks_reads_byte_exact(staged):
                 assert worker.region_mem_types == [DEVICE_MEMORY]
         (prefill, p_caches), (decode, d_caches) = sides
         torch.accelerator.synchronize()
-        # Per-layer staging rows (stock) are refused by a whole-row decoder.
         handshake(decode, prefill)
         # With the staging copies: runs consecutive on both sides: [3], [7-9],
         # [12].

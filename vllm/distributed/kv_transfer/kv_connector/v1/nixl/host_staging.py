@@ -1,24 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Copy geometry of NIXL host staging buffers that mirror the device caches.
+"""Copy geometry of NIXL host staging buffers that mirror a device KV row.
 
 When device memory cannot be registered with NIXL (``kv_buffer_device="cpu"``),
-the worker stages KV blocks in host buffers. Mirroring each device allocation
-in one host allocation, with every layer's view at its device offset and
-strides, keeps the staging side registering like a device peer of the same
-layout: a block-outermost MLA row (BLHNC) is one region, not one per layer.
+the worker stages KV blocks in host buffers. For a block-outermost MLA cache,
+where every layer's page of a block sits in one row of one allocation,
 
-It also lets the staging copies move whole block rows. In a row
+    block b:  [ I0 | I1 | ... | L0 | L1 | ... | pad ]   stride S
 
-    block b:  [ I0 | I1 | ... | L0 | L1 | ... ]   stride S
+the host buffer mirrors that allocation: every layer's host view has its
+device view's offset and strides, so the staging side registers one region,
+like the device side, instead of one per layer.
 
-every layer's page of block ``b`` sits side by side, so a run of adjacent
-blocks ``[a, e)`` is one slice copy of rows ``a..e-1`` instead of one gather
-per layer. This module plans those slices from geometry alone; layers that do
-not share a block row with another layer keep the per-layer copy.
+The staging copies then move slices of block rows, planned here from geometry
+alone:
+
+- device to host (before a peer reads): whole rows of the request's blocks,
+  so a whole-row READ never sends host bytes that no copy wrote;
+- host to device (after a READ): only the bytes of the pages (merged where
+  they touch or alias), so no device byte outside the pages received changes.
+
+Only rows of one transfer group are mirrored: where several groups share the
+rows (sliding-window MLA, DeepSeek-V4), a per-layer staging peer of 0.33.0
+reads one region per layer, which a mirrored row cannot advertise.
 """
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 
@@ -49,8 +56,7 @@ class PageLayout:
 class RowSpan:
     """Bytes ``[start, end)`` of every block row of an allocation.
 
-    Row ``b`` starts at byte ``b * stride`` of the allocation; the span holds
-    the pages of ``layers`` (merged where they touch or alias).
+    Row ``b`` starts at byte ``b * stride`` of the allocation.
 
     Attributes:
         allocation: Identity of the backing allocation.
@@ -58,7 +64,8 @@ class RowSpan:
         num_blocks: Rows.
         start: First byte of the span inside a row.
         end: End of the span inside a row.
-        layers: Layers whose pages the span covers.
+        layers: Layers whose pages the span covers (all of the allocation's
+            layers for a whole row).
 
     """
 
@@ -70,39 +77,60 @@ class RowSpan:
     layers: tuple[str, ...]
 
 
-def plan_row_spans(
-    pages: Mapping[str, PageLayout],
-) -> tuple[tuple[RowSpan, ...], tuple[str, ...]]:
-    """Group layer pages that share block rows into spans copied row by row.
+@dataclass(frozen=True)
+class StagingCopies:
+    """The row slices the staging copies of mirrored host buffers move.
 
-    Pages share a row when they sit in the same allocation with the same block
-    stride and inside the first row (``offset + length <= stride``), as every
-    page of a block-outermost layout does. Pages of one such row are merged
-    where they touch or overlap, so a span never copies bytes between pages
-    that no layer uses, and the spans copy exactly the bytes a per-layer copy
-    of the same blocks would. A row holding a single layer's page is left to
-    the per-layer copy.
+    Attributes:
+        rows: Whole rows of each allocation, copied device to host.
+        spans: The pages of each allocation's rows, merged where they touch
+            or alias, copied host to device.
+
+    """
+
+    rows: tuple[RowSpan, ...]
+    spans: tuple[RowSpan, ...]
+
+
+def plan_staging_copies(pages: Mapping[str, PageLayout]) -> StagingCopies | None:
+    """Plan the copies of host buffers that mirror block-row allocations.
 
     Args:
         pages: Page layout per layer name.
 
     Returns:
-        ``(spans, per_layer)``: the spans in allocation then address order,
-        and the names of the layers left to per-layer copies, in input order.
+        The copies, or None when the pages are not block rows that a mirror
+        can stage exactly: a page that leaves its row
+        (``offset + length > stride``), or layers of one allocation with
+        different strides or block counts.
 
     """
-    rows: dict[tuple[Hashable, int, int], list[tuple[int, int, str]]] = {}
+    rows: dict[Hashable, tuple[int, int]] = {}
+    layers: dict[Hashable, list[str]] = {}
     for name, page in pages.items():
-        if page.offset + page.length <= page.stride:
-            key = (page.allocation, page.stride, page.num_blocks)
-            rows.setdefault(key, []).append(
-                (page.offset, page.offset + page.length, name)
-            )
+        if page.offset < 0 or page.offset + page.length > page.stride:
+            return None
+        geometry = rows.setdefault(page.allocation, (page.stride, page.num_blocks))
+        if geometry != (page.stride, page.num_blocks):
+            return None
+        layers.setdefault(page.allocation, []).append(name)
+    whole_rows = tuple(
+        RowSpan(allocation, stride, num_blocks, 0, stride, tuple(layers[allocation]))
+        for allocation, (stride, num_blocks) in rows.items()
+    )
+    return StagingCopies(whole_rows, _merged_spans(pages))
+
+
+def _merged_spans(pages: Mapping[str, PageLayout]) -> tuple[RowSpan, ...]:
+    """The pages of each allocation's row, merged where they touch or alias."""
+    by_allocation: dict[Hashable, list[tuple[int, int, str]]] = {}
+    for name, page in pages.items():
+        by_allocation.setdefault(page.allocation, []).append(
+            (page.offset, page.offset + page.length, name)
+        )
     spans: list[RowSpan] = []
-    in_spans: set[str] = set()
-    for (allocation, stride, num_blocks), members in rows.items():
-        if len(members) < 2:
-            continue
+    for allocation, members in by_allocation.items():
+        page = pages[members[0][2]]
         merged: list[tuple[int, int, list[str]]] = []
         for start, end, name in sorted(members):
             if merged and start <= merged[-1][1]:
@@ -110,24 +138,8 @@ def plan_row_spans(
                 merged[-1] = (last_start, max(last_end, end), [*names, name])
             else:
                 merged.append((start, end, [name]))
-        for start, end, names in merged:
-            spans.append(
-                RowSpan(allocation, stride, num_blocks, start, end, tuple(names))
-            )
-            in_spans.update(names)
-    per_layer = tuple(name for name in pages if name not in in_spans)
-    return tuple(spans), per_layer
-
-
-def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, end)`` runs of consecutive ids among the distinct block ids.
-
-    Example: ``[7, 3, 4, 5, 9, 8]`` gives ``[(3, 6), (7, 10)]``.
-    """
-    runs: list[tuple[int, int]] = []
-    for block_id in sorted(set(block_ids)):
-        if runs and runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], block_id + 1)
-        else:
-            runs.append((block_id, block_id + 1))
-    return runs
+        spans.extend(
+            RowSpan(allocation, page.stride, page.num_blocks, start, end, tuple(names))
+            for start, end, names in merged
+        )
+    return tuple(spans)
