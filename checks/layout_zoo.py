@@ -88,6 +88,14 @@ gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
                                          host buffers for layers whose device
                                          views alias (a non-MLA model of 0001's
                                          staging bug).
+gqa-mixed/BLHNC                 -        gpt-oss-like, full layers with twice
+                                         the sliding layers' head size: each
+                                         group's first page at byte 0 of the
+                                         row, pages of two sizes at one
+                                         address (#57661). Stock registers
+                                         2 regions and moves half of each
+                                         full-layer page at that address; the
+                                         fork refuses it at registration.
 nemotron-h/LBNHC                1        Nemotron-H-like Mamba2 + GQA hybrid
                                          (attention on every 4th layer); at L=4
                                          every group has one layer, so all four
@@ -349,6 +357,7 @@ _RECIPES: dict[str, _Recipe] = {
     "gpt-oss+host-staging/LBNHC": _Recipe(
         "gpt-oss", KVCacheLayout.LBNHC, host_staging=True
     ),
+    "gqa-mixed/BLHNC": _Recipe("gqa-mixed", KVCacheLayout.BLHNC),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
     "hisparse-glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, hisparse=True),
     "glm53-mtp+host-staging/BLHNC": _Recipe(
@@ -590,6 +599,25 @@ def _gpt_oss_specs(
     }
 
 
+def _gqa_mixed_specs(
+    layers: range, block_size: int, scale: int, num_layers: int, mtp: bool
+) -> dict[str, KVCacheSpec]:
+    """Sliding (even) and full (odd) GQA layers of two head sizes (MiMo-V2 and
+    Gemma 4 configure them so): two page sizes, half for sliding layers."""
+    common = dict(
+        block_size=block_size, num_kv_heads=_GPT_OSS_KV_HEADS, dtype=torch.bfloat16
+    )
+    head = _scaled(_GPT_OSS_HEAD, scale)
+    return {
+        f"model.layers.{i}.attn": (
+            SlidingWindowSpec(**common, head_size=head, sliding_window=SLIDING_WINDOW)
+            if i % 2 == 0
+            else FullAttentionSpec(**common, head_size=2 * head)
+        )
+        for i in layers
+    }
+
+
 _NEMOTRON_KV_HEADS = 2
 _NEMOTRON_HEAD = 128
 
@@ -644,7 +672,11 @@ def _nemotron_h_specs(
 
 
 # Total KV heads of the head-sharded (non-MLA) families.
-_KV_HEADS = {"gpt-oss": _GPT_OSS_KV_HEADS, "nemotron-h": _NEMOTRON_KV_HEADS}
+_KV_HEADS = {
+    "gpt-oss": _GPT_OSS_KV_HEADS,
+    "gqa-mixed": _GPT_OSS_KV_HEADS,
+    "nemotron-h": _NEMOTRON_KV_HEADS,
+}
 
 _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
     # family: (spec builder, backend name, use_mla)
@@ -654,6 +686,7 @@ _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
     "dsv2-fp8": (_dsv2_specs("fp8"), "FLASHMLA", True),
     "mla-swa": (_mla_swa_specs, "FLASHMLA", True),
     "gpt-oss": (_gpt_oss_specs, "FLASH_ATTN", False),
+    "gqa-mixed": (_gqa_mixed_specs, "FLASH_ATTN", False),
     "nemotron-h": (_nemotron_h_specs, "FLASH_ATTN", False),
     "dsv4": (zoo_models.dsv4_specs, "FLASHMLA_SPARSE_DSV4", True),
     "dsv41": (zoo_models.dsv41_specs, "FLASHMLA_SPARSE_DSV41", True),

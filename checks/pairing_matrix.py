@@ -58,6 +58,7 @@ _NON_MLA = {
     "gpt-oss/LBNHC",
     "gpt-oss/BLHNC",
     "gpt-oss+host-staging/LBNHC",
+    "gqa-mixed/BLHNC",
     "nemotron-h/LBNHC",
 }
 _STAGING = "glm53-mtp+host-staging/BLHNC"
@@ -101,10 +102,25 @@ STOCK_CORRUPTS: dict[str, tuple[str, str | None]] = {
     # mixer). The handshake accepts it and each group's READ fills D's layer
     # with another layer's pages of P (4 of 4 attention pages wrong). Found
     # when the truth check came to Mamba hybrids; the fork does the same.
+    **{
+        f"gqa-mixed/BLHNC->gqa-mixed/BLHNC:{variant}": (
+            "a region registered at the sliding page's length reads half of "
+            "each full-attention page at the same address (#57661)",
+            "shares its address",
+        )
+        for variant in ("same", "num-blocks")
+    },
     "nemotron-h/LBNHC->nemotron-h/LBNHC:permuted": (
         "P and D number the transfer groups differently; groups pair by index",
         None,
     ),
+}
+# Layouts stock moves wrong bytes on that the fork refuses at registration,
+# with an error containing the hint: every case with such a side.
+FORK_REFUSES: dict[str, str] = {
+    # #57661: pages of two sizes at one address (sliding and full layers of
+    # two head sizes, block-outermost); the region moves the smaller length.
+    "gqa-mixed/BLHNC": "shares its address",
 }
 # Stock bugs the series does not fix yet: on these cases the fork must move
 # exactly stock's bytes. Nemotron-H's permuted pair is synthetic (two

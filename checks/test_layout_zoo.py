@@ -34,8 +34,11 @@ MODEL_ROWS = {
     "dsv4-mtp+host-staging/BLHNC": (27, 6),
     "dsv41/BLHNC": (1, 7),
 }
-# Layouts whose workers refuse to register (stock does too): the message.
+# Layouts whose workers refuse to register: the message.
 REFUSED_AT_REGISTRATION = {
+    # #57661: stock registers it and moves half of some pages (see the
+    # pairing matrix's FORK_REFUSES).
+    "gqa-mixed/BLHNC": "shares its address",
     # The V4.1 compressor ring (a CircularBufferSpec) shares its row.
     "dsv41+host-staging/BLHNC": "CSA-linear shared tensors",
 }

@@ -27,7 +27,9 @@ wrong on stock). The fork must:
   error that gives the entry's hint;
 - leave every byte of the decoder's device allocations as stock leaves them
   (unless stock is wrong there);
-- move the same number of bytes and post no more descriptors.
+- move the same number of bytes and post no more descriptors;
+- refuse at registration, with the entry's hint, every case with a side in
+  ``FORK_REFUSES`` (layouts stock corrupts or refuses).
 """
 
 import json
@@ -41,6 +43,7 @@ pytest.importorskip("nixl")
 from checks.pairing_matrix import (  # noqa: E402
     CASES,
     FORK_KEEPS_STOCK_BUG,
+    FORK_REFUSES,
     STOCK_CORRUPTS,
     Case,
     device_case,
@@ -113,6 +116,16 @@ def test_pair_matches_stock(stock: dict, case: Case):
     else:
         assert name not in STOCK_CORRUPTS, f"stock is right on {name} now"
     got = run_case(case)
+    refused = {
+        FORK_REFUSES.get(case.prefill.layout),
+        FORK_REFUSES.get(case.decode.layout),
+    }
+    if refused != {None}:
+        # Stock is wrong or refuses too; the fork refuses at registration.
+        assert stock_wrong or not want["accepted"], want
+        assert not got["accepted"] and got["error"].startswith("register"), got
+        assert any(hint in got["message"] for hint in refused - {None}), got
+        return
     if name in FORK_KEEPS_STOCK_BUG:
         # Not fixed yet: exactly stock's outcome, bytes included.
         assert stock_wrong and wrong(got) == stock_wrong, (wrong(got), stock_wrong)

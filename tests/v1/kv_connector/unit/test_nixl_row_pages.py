@@ -138,3 +138,40 @@ def test_rows_and_per_layer_pages_read_each_other(p_layout, d_layout, sliding_wi
     finally:
         for worker in workers:
             worker.shutdown()
+
+
+def test_rows_that_order_pages_otherwise_are_read_page_by_page():
+    # The prefiller's planner placed the layers in the other order: its row
+    # holds the same pages at other offsets, read one by one into ours.
+    nixl = nixl_cls()
+    num_layers, page = 4, 256
+    workers = []
+    try:
+        sides = []
+        for reverse in (True, False):
+            config, caches = plan_mla_caches(
+                num_layers, page, 32, "BLHNC", reverse_layers=reverse
+            )
+            sides.append(caches)
+            workers.append(make_worker(config, caches, "BLHNC", nixl))
+        p_caches, d_caches = sides
+        offsets = [
+            {
+                name: c.data_ptr() - c.untyped_storage().data_ptr()
+                for name, c in s.items()
+            }
+            for s in sides
+        ]
+        assert offsets[0] != offsets[1]
+        fill_allocations(p_caches)
+        zero_allocations(d_caches)
+        prefill, decode = workers
+        assert prefill.num_regions == decode.num_regions == 1
+        handshake(decode, prefill)
+        local, remote = [5, 6, 7, 20], [12, 13, 14, 2]
+        # One descriptor per layer page and block: the pages are strided.
+        assert pull(decode, prefill, local, remote) == num_layers * len(local)
+        assert_landed(d_caches, p_caches, list(d_caches), local, remote)
+    finally:
+        for worker in workers:
+            worker.shutdown()

@@ -1,0 +1,306 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Faults and bad peer input on the NIXL read path, runnable on any tree.
+
+Every case builds a prefill and a decode pull worker over ``layout_zoo``
+layouts (vLLM's own planner and allocator) with real NIXL agents on host
+DRAM, hands P's advertised metadata to D as the handshake does (tampered
+with for the metadata cases), and submits one request the way
+``start_load_kv`` does (``_recving_metadata``, then ``_read_blocks_for_req``).
+A fault is injected deterministically at the NIXL boundary of the decoder
+(a post that raises, a transfer whose state is ``"ERR"``), or in the peer's
+input (remote block ids out of the peer's range, a list per transfer group
+missing, an empty remote list against a non-empty local one; handshake
+metadata that does not match what the peer registered). The decoder is then
+polled as the engine polls it (``get_transfer_results``,
+``get_block_ids_with_load_errors``) until it reports the request.
+
+The outcome of a case is what the scheduler would see and what the decoder
+holds: whether the handshake or the submission raised (an exception outside
+the transfer-failure path takes the engine down), how many READs were posted,
+whether the request came back in ``failed_recving``, the invalid block ids,
+and whether any decoder byte outside the request's blocks changed. The same
+code runs against stock 0.33.0 (``--json``) and the fork
+(``checks/test_faults.py``).
+
+    PYTHONPATH=build/stock:. python -m checks.faults --json stock_faults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from checks.layout_zoo import build_zoo_layout, make_zoo_worker
+from checks.pairing_matrix import _request, _truth
+from checks.real_nixl import connect, probe_real_nixl
+
+NUM_BLOCKS = 32
+
+# (prefill, decode) layouts: one transfer group (a whole BLHNC row; LBNHC
+# layer slabs; host staging, which the fork mirrors), several transfer groups
+# sharing the rows (MLA + sliding-window MLA), and the fork's own read paths:
+# page reads (an LBNHC prefiller into BLHNC rows) and coalesced reads (a
+# HiSparse decoder, whose groups are not unique block ids either).
+LAYOUTS = [
+    ("glm53-mtp/BLHNC", "glm53-mtp/BLHNC"),
+    ("dsv32/LBNHC", "dsv32/LBNHC"),
+    ("glm53-mtp+host-staging/BLHNC", "glm53-mtp+host-staging/BLHNC"),
+    ("mla-swa/BLHNC", "mla-swa/BLHNC"),
+    ("dsv32/LBNHC", "dsv32/BLHNC"),
+    ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
+]
+
+# Faults: at the NIXL boundary of the decoder, in the request's remote block
+# ids, or in the handshake metadata.
+FAULTS = [
+    "none",
+    "post-raises",
+    "transfer-raises",
+    "state-err",
+    "remote-out-of-range",
+    "remote-group-missing",
+    "remote-empty",
+    "meta-regions",
+    "meta-block-len",
+    "meta-num-blocks",
+]
+INPUT_FAULTS = {"remote-out-of-range", "remote-group-missing", "remote-empty"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fault on one P/D pair."""
+
+    prefill: str
+    decode: str
+    fault: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill}->{self.decode}:{self.fault}"
+
+
+CASES = [Case(p, d, fault) for p, d in LAYOUTS for fault in FAULTS]
+
+
+class _Failures(logging.Handler):
+    """Log records that name a request (the worker's failure log lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _captured() -> Iterator[_Failures]:
+    handler = _Failures()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def _inject(decode, fault: str) -> dict[str, int]:
+    """Wrap the decoder's NIXL calls; count the READs it posts."""
+    nixl = decode.nixl_wrapper
+    calls = {"posted": 0}
+    make, transfer, state = (
+        nixl.make_prepped_xfer,
+        nixl.transfer,
+        nixl.check_xfer_state,
+    )
+
+    def make_prepped_xfer(*args, **kwargs):
+        calls["posted"] += 1
+        if fault == "post-raises":
+            raise RuntimeError("injected: make_prepped_xfer failed")
+        return make(*args, **kwargs)
+
+    def transfer_(handle, *args, **kwargs):
+        if fault == "transfer-raises":
+            raise RuntimeError("injected: transfer failed")
+        return transfer(handle, *args, **kwargs)
+
+    def check_xfer_state(handle):
+        result = state(handle)
+        if fault == "state-err" and result in ("PROC", "DONE"):
+            # Let the READ land, then report it failed, as a NIXL backend
+            # does for a transfer it could not complete.
+            while result == "PROC":
+                result = state(handle)
+            return "ERR"
+        return result
+
+    nixl.make_prepped_xfer = make_prepped_xfer
+    nixl.transfer = transfer_
+    nixl.check_xfer_state = check_xfer_state
+    return calls
+
+
+def _tamper(meta, fault: str) -> None:
+    """Handshake metadata that does not match what P registered."""
+    if fault == "meta-regions":
+        meta.kv_caches_base_addr = meta.kv_caches_base_addr[:-1] or [0]
+        meta.block_lens = meta.block_lens[: len(meta.kv_caches_base_addr)]
+    elif fault == "meta-block-len":
+        meta.block_lens = [length * 2 for length in meta.block_lens]
+    elif fault == "meta-num-blocks":
+        meta.num_blocks = meta.num_blocks * 4
+
+
+def _connect(decode, prefill, fault: str) -> None:
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
+    )
+
+    if not fault.startswith("meta-"):
+        connect(decode, prefill)
+        return
+    meta = msgspec.msgpack.decode(
+        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
+    )
+    _tamper(meta, fault)
+    name = decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, 0)] = name
+
+
+def _remote_ids(remote: list[list[int]], fault: str, peer_blocks: int) -> list:
+    if fault == "remote-out-of-range":
+        return [[b + peer_blocks for b in ids] for ids in remote]
+    if fault == "remote-group-missing":
+        return remote[:-1]
+    if fault == "remote-empty":
+        return [[] for _ in remote]
+    return remote
+
+
+def _poll(decode, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
+    """(finished, failed): the request as ``get_transfer_results`` reports it."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        results = decode.get_transfer_results()
+        if req_id in results.finished_recving:
+            return True, req_id in results.failed_recving
+        time.sleep(0.001)
+    return False, False
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Build, handshake, submit and poll one case; return its outcome."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        RemoteMeta,
+        ReqMeta,
+    )
+
+    from checks.layout_zoo import fill_pattern, zero
+    from checks.pairing_matrix import _uninitialised_empty
+
+    p_layout = build_zoo_layout(case.prefill, num_blocks=NUM_BLOCKS)
+    d_layout = build_zoo_layout(case.decode, num_blocks=NUM_BLOCKS)
+    d_raws = list(d_layout.raws)
+    fill_pattern(p_layout, seed=7)
+    zero(d_layout)
+    out: dict[str, Any] = {"raised": None, "step": None}
+    workers = []
+    try:
+        for layout, engine in ((p_layout, "prefill"), (d_layout, "decode")):
+            with _uninitialised_empty():
+                workers.append(make_zoo_worker(layout, engine_id=engine, coalesce=True))
+        prefill, decode = workers
+        try:
+            _connect(decode, prefill, case.fault)
+        except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
+            out.update(raised=type(e).__name__, step="handshake")
+            return out
+        calls = _inject(decode, case.fault)
+        rng = random.Random(11)
+        local = _request(decode, rng, 4)
+        remote = _request(prefill, rng, 4)
+        req_id = f"req-{uuid.uuid4()}"
+        sent = _remote_ids(remote, case.fault, prefill.num_blocks)
+        meta = ReqMeta(
+            local_block_ids=[list(ids) for ids in local],
+            local_physical_block_ids=[list(ids) for ids in local],
+            tp_size=1,
+            remote=RemoteMeta(
+                block_ids=[list(ids) for ids in sent],
+                host="localhost",
+                port=0,
+                engine_id=prefill.engine_id,
+                request_id=req_id,
+                num_tokens=4 * p_layout.block_size,
+            ),
+        )
+        if prefill.use_host_buffer:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+                NixlConnectorMetadata,
+            )
+
+            saved = NixlConnectorMetadata()
+            saved.add_new_req_to_save(req_id, [list(ids) for ids in remote], {})
+            prefill.save_kv_to_host(saved)
+        with _captured() as logged:
+            decode._recving_metadata[req_id] = meta
+            try:
+                decode._read_blocks_for_req(req_id, meta)
+            except Exception as e:  # noqa: BLE001 - an outcome
+                out.update(raised=type(e).__name__, step="read")
+                return out
+            finished, failed = _poll(decode, req_id)
+            invalid = sorted(decode.get_block_ids_with_load_errors())
+        truth = _truth(d_layout, p_layout, decode, prefill, local, remote, d_raws)
+        out.update(
+            posted=calls["posted"],
+            finished=finished,
+            failed=failed,
+            invalid_blocks=invalid,
+            # The scheduler's KV cache groups: block-level failure reports
+            # need one (a HiSparse decoder's host pool is a transfer group
+            # only); its blocks are the first transfer group's.
+            groups=len(decode.kv_cache_config.kv_cache_groups),
+            request_blocks=sorted(set(local[0])),
+            logged=any(req_id in m for m in logged.messages),
+            wrong_pages=truth["wrong_pages"],
+            outside_clean=truth["outside_clean"],
+        )
+        return out
+    finally:
+        for worker in reversed(workers):
+            worker.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    args = parser.parse_args(argv)
+    reason = probe_real_nixl()
+    if reason is not None:
+        print(f"real NIXL unavailable: {reason}", file=sys.stderr)
+        return 1
+    results = {case.name: run_case(case) for case in CASES}
+    for name, result in results.items():
+        print(name, json.dumps(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
