@@ -261,9 +261,7 @@ def _pull_and_compare(storages, local, remote) -> list[tuple[int, ...]]:
     """Pull into a coalescing and a standard decoder; both must hold the same bytes.
 
     The standard decoder is the same worker with its coalescing hook skipped
-    (``coalesce=False``): with groups aliasing a row, the standard read itself
-    moves only part of some pages (the shared region's length), so the layout
-    does not predict its bytes. Returns the coalescing decoder's runs.
+    (``coalesce=False``). Returns the coalescing decoder's runs.
     """
     p_layout = build_layout(storages, 16)
     fill_pattern(p_layout)
@@ -286,13 +284,14 @@ def _pull_and_compare(storages, local, remote) -> list[tuple[int, ...]]:
             worker.shutdown()
 
 
-def test_groups_aliasing_a_row_from_byte_zero(nixl_ok):
-    # Two HMA groups view one allocation from byte 0 (pages of different
-    # sizes), plus a draft storage so stock registers per-layer regions.
+@pytest.mark.parametrize("swa_page", [128, 64], ids=["one-size", "two-sizes"])
+def test_groups_aliasing_a_row_from_byte_zero(nixl_ok, swa_page):
+    # Two HMA groups view one allocation from byte 0, plus a draft storage so
+    # stock registers per-layer regions.
     full = Storage(tuple(Page(f"model.layers.{i}.attn", 128, "full") for i in (0, 2)))
     swa = Storage(
-        tuple(Page(f"model.layers.{i}.attn", 64, "swa") for i in (1, 3)),
-        pad=128,
+        tuple(Page(f"model.layers.{i}.attn", swa_page, "swa") for i in (1, 3)),
+        pad=2 * (128 - swa_page),
         shares=0,
     )
     draft = Storage((Page("draft_model.layers.0.attn", 128, "draft"),))
@@ -300,6 +299,12 @@ def test_groups_aliasing_a_row_from_byte_zero(nixl_ok):
     # Disjoint block ids per group: the groups share the rows.
     local = [[3, 9, 4], [11, 1, 12], [6, 2, 5]]
     remote = [[7, 2, 8], [13, 0, 14], [10, 5, 15]]
+    if swa_page < 128:
+        # The region at the shared address would move the smaller page's
+        # length of the larger pages (#57661): refused at registration.
+        with pytest.raises(NotImplementedError, match="shares its address"):
+            _pull_and_compare(storages, local, remote)
+        return
     runs = _pull_and_compare(storages, local, remote)
     # Two groups alias the row, so their first pages share a base address:
     # stock merges those into one shared region, which never joins a run.
