@@ -356,8 +356,14 @@ def render_patch_sizes() -> list[str]:
     ]
 
 
-def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | None]:
-    """Lines replacing one directive, and the command to run if it is missing."""
+def render_table(
+    name: str, arg: str | None = None, *, downstream: bool = False
+) -> tuple[list[str], str | None]:
+    """Lines replacing one directive, and the command to run if it is missing.
+
+    With ``downstream`` (a PR description), the provenance line says that the
+    command is the series project's, not one a vLLM tree has.
+    """
     if name == "patch-sizes":
         return render_patch_sizes(), None
     source = SOURCES.get(name)
@@ -377,7 +383,15 @@ def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | No
             f"_`{rel}` (written {when}) is not in the format this table reads "
             f"({type(exc).__name__}: {exc}): rerun `{source.command}`._"
         ], source.command
-    lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
+    if downstream:
+        lines += [
+            "",
+            f"_Measured downstream, outside the vLLM tree: `{source.command}` "
+            f"of the series' project (its README gives the method) wrote "
+            f"`{rel}` at {when}._",
+        ]
+    else:
+        lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
     return lines, None
 
 
@@ -388,7 +402,8 @@ def render_lines(name: str) -> list[str]:
     (patch,) = [p for p in manifest.load_manifest().patches if p.name == name]
     counts = manifest.patch_lines(patch)
     return [
-        "Size (new files and hunks, as `python3 tools/fork.py summary` counts): "
+        "Size (new files and hunks, counted downstream by the series' "
+        "`tools/fork.py summary`): "
         + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
         + "."
     ]
@@ -406,7 +421,7 @@ def render_cover(text: str, name: str | None = None) -> tuple[str, list[str]]:
         if m is None:
             out.append(line)
             continue
-        lines, command = render_table(m.group("name"), m.group("arg"))
+        lines, command = render_table(m.group("name"), m.group("arg"), downstream=True)
         out += lines
         if command:
             missing.append(command)
