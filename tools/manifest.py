@@ -65,6 +65,10 @@ def _check_relpath(where: str, path: str) -> None:
         raise ForkError(f"{where}: bad repo-relative path {path!r}")
 
 
+# Upstream PR titles (and the commits' subject lines) keep to 72 characters.
+MAX_SUBJECT = 72
+
+
 def load_manifest(require_subject: bool = True) -> Manifest:
     """Parse and validate the manifest."""
     rel = MANIFEST.relative_to(ROOT)
@@ -108,6 +112,11 @@ def load_manifest(require_subject: bool = True) -> Manifest:
             raise ForkError(f"{where} ({name}): 'subject' must be one line")
         if require_subject and not subject.strip():
             raise ForkError(f"{where} ({name}): 'subject' is missing")
+        if len(subject.strip()) > MAX_SUBJECT:
+            raise ForkError(
+                f"{where} ({name}): 'subject' has {len(subject.strip())} "
+                f"characters; upstream titles keep to {MAX_SUBJECT}"
+            )
         if not isinstance(body, str):
             raise ForkError(f"{where} ({name}): 'body' must be a string")
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
