@@ -510,17 +510,25 @@ def _child() -> int:
 # ----------------------------------------------------------------- parent side
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """This process's environment for a child that imports vLLM from ``tree``.
+
+    The tree replaces any vLLM tree on the parent's ``PYTHONPATH``; the
+    repository and the rest of the path (a test run's sitecustomize
+    directory) stay.
+    """
+    rest = [
+        entry
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
+    ]
+    path = [str(tree), *dict.fromkeys([str(ROOT), *rest])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
 class _Process:
     def __init__(self, tree: Path, log: Any = subprocess.DEVNULL) -> None:
-        # The side's tree replaces any vLLM tree on the parent's path; the
-        # rest of it (a test run's sitecustomize directory) stays.
-        rest = [
-            entry
-            for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
-        ]
-        path = [str(tree), *dict.fromkeys([str(ROOT), *rest])]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        env = tree_env(tree)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "checks.cross_tree", "--child"],
             cwd=ROOT,

@@ -42,7 +42,7 @@ from typing import Any
 
 from checks.layout_zoo import build_zoo_layout, make_zoo_worker
 from checks.pairing_matrix import _request, _truth
-from checks.real_nixl import connect, probe_real_nixl
+from checks.real_nixl import connect, probe_real_nixl, request_meta, stage_request
 
 NUM_BLOCKS = 32
 
@@ -153,7 +153,7 @@ def _inject(decode, fault: str) -> dict[str, int]:
 
 
 def _tamper(meta, fault: str) -> None:
-    """Handshake metadata that does not match what P registered."""
+    """Make handshake metadata disagree with what P registered (meta faults)."""
     if fault == "meta-regions":
         meta.kv_caches_base_addr = meta.kv_caches_base_addr[:-1] or [0]
         meta.block_lens = meta.block_lens[: len(meta.kv_caches_base_addr)]
@@ -161,23 +161,6 @@ def _tamper(meta, fault: str) -> None:
         meta.block_lens = [length * 2 for length in meta.block_lens]
     elif fault == "meta-num-blocks":
         meta.num_blocks = meta.num_blocks * 4
-
-
-def _connect(decode, prefill, fault: str) -> None:
-    import msgspec
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        NixlAgentMetadata,
-    )
-
-    if not fault.startswith("meta-"):
-        connect(decode, prefill)
-        return
-    meta = msgspec.msgpack.decode(
-        prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
-    )
-    _tamper(meta, fault)
-    name = decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
-    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, 0)] = name
 
 
 def _remote_ids(remote: list[list[int]], fault: str, peer_blocks: int) -> list:
@@ -203,11 +186,6 @@ def _poll(decode, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
 
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake, submit and poll one case; return its outcome."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        RemoteMeta,
-        ReqMeta,
-    )
-
     from checks.layout_zoo import fill_pattern, zero
     from checks.pairing_matrix import _uninitialised_empty
 
@@ -224,7 +202,7 @@ def run_case(case: Case) -> dict[str, Any]:
                 workers.append(make_zoo_worker(layout, engine_id=engine, coalesce=True))
         prefill, decode = workers
         try:
-            _connect(decode, prefill, case.fault)
+            connect(decode, prefill, edit=lambda meta: _tamper(meta, case.fault))
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             out.update(raised=type(e).__name__, step="handshake")
             return out
@@ -233,28 +211,14 @@ def run_case(case: Case) -> dict[str, Any]:
         local = _request(decode, rng, 4)
         remote = _request(prefill, rng, 4)
         req_id = f"req-{uuid.uuid4()}"
-        sent = _remote_ids(remote, case.fault, prefill.num_blocks)
-        meta = ReqMeta(
-            local_block_ids=[list(ids) for ids in local],
-            local_physical_block_ids=[list(ids) for ids in local],
-            tp_size=1,
-            remote=RemoteMeta(
-                block_ids=[list(ids) for ids in sent],
-                host="localhost",
-                port=0,
-                engine_id=prefill.engine_id,
-                request_id=req_id,
-                num_tokens=4 * p_layout.block_size,
-            ),
+        meta = request_meta(
+            prefill.engine_id,
+            req_id,
+            local,
+            _remote_ids(remote, case.fault, prefill.num_blocks),
+            num_tokens=4 * p_layout.block_size,
         )
-        if prefill.use_host_buffer:
-            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-                NixlConnectorMetadata,
-            )
-
-            saved = NixlConnectorMetadata()
-            saved.add_new_req_to_save(req_id, [list(ids) for ids in remote], {})
-            prefill.save_kv_to_host(saved)
+        stage_request(prefill, req_id, remote)
         with _captured() as logged:
             decode._recving_metadata[req_id] = meta
             try:

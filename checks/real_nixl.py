@@ -21,8 +21,9 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -299,6 +300,50 @@ class PullResult:
     done_s: float
 
 
+def request_meta(
+    engine_id: str,
+    req_id: str,
+    local_block_ids: Sequence[Sequence[int]],
+    remote_block_ids: Sequence[Sequence[int]],
+    *,
+    tp_size: int = 1,
+    num_tokens: int | None = None,
+):
+    """The ``ReqMeta`` a decoder's scheduler hands its worker for one request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        RemoteMeta,
+        ReqMeta,
+    )
+
+    return ReqMeta(
+        local_block_ids=[list(ids) for ids in local_block_ids],
+        local_physical_block_ids=[list(ids) for ids in local_block_ids],
+        tp_size=tp_size,
+        remote=RemoteMeta(
+            block_ids=[list(ids) for ids in remote_block_ids],
+            host="localhost",
+            port=0,
+            engine_id=engine_id,
+            request_id=req_id,
+            num_tokens=num_tokens,
+        ),
+    )
+
+
+def stage_request(
+    prefill, req_id: str, remote_block_ids: Sequence[Sequence[int]]
+) -> None:
+    """A staging prefiller's d2h copy of the request's blocks (else nothing)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    if prefill.use_host_buffer:
+        saved = NixlConnectorMetadata()
+        saved.add_new_req_to_save(req_id, [list(ids) for ids in remote_block_ids], {})
+        prefill.save_kv_to_host(saved)
+
+
 def pull_request(
     decode,
     prefill,
@@ -327,34 +372,21 @@ def pull_request(
         RuntimeError: A READ failed or did not finish in time.
 
     """
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        NixlConnectorMetadata,
-        RemoteMeta,
-        ReqMeta,
-    )
-
     engine_id = prefill.engine_id
     assert (0, remote_rank) in decode._remote_agents.get(engine_id, {}), (
         "handshake first (connect)"
     )
     req_id = f"req-{uuid.uuid4()}"
-    meta = ReqMeta(
-        local_block_ids=[list(ids) for ids in local_block_ids],
-        local_physical_block_ids=[list(ids) for ids in local_block_ids],
+    meta = request_meta(
+        engine_id,
+        req_id,
+        local_block_ids,
+        remote_block_ids,
         tp_size=remote_tp_size,
-        remote=RemoteMeta(
-            block_ids=[list(ids) for ids in remote_block_ids],
-            host="localhost",
-            port=0,
-            engine_id=engine_id,
-            request_id=req_id,
-            num_tokens=num_tokens,
-        ),
+        num_tokens=num_tokens,
     )
-    if staging_copies and prefill.use_host_buffer:
-        saved = NixlConnectorMetadata()
-        saved.add_new_req_to_save(req_id, [list(ids) for ids in remote_block_ids], {})
-        prefill.save_kv_to_host(saved)
+    if staging_copies:
+        stage_request(prefill, req_id, remote_block_ids)
     nixl = decode.nixl_wrapper
     start = time.perf_counter()
     decode._read_blocks_for_req(req_id, meta)
@@ -391,12 +423,18 @@ def pull_request(
 
 
 def connect(
-    decode, prefill, *, remote_tp_rank: int = 0, remote_tp_size: int = 1
+    decode,
+    prefill,
+    *,
+    remote_tp_rank: int = 0,
+    remote_tp_size: int = 1,
+    edit: Callable[[Any], None] | None = None,
 ) -> str:
     """Hand the prefill worker's advertised metadata to the decode worker.
 
     Decodes the handshake payload exactly as ``_nixl_handshake`` does, calls
     ``add_remote_agent`` and records the agent the way the handshake does.
+    ``edit`` may change the decoded metadata first (a peer that lies).
 
     Returns:
         The remote agent name.
@@ -410,6 +448,8 @@ def connect(
     meta = msgspec.msgpack.decode(
         prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
     )
+    if edit is not None:
+        edit(meta)
     name = decode.add_remote_agent(
         meta, remote_tp_rank=remote_tp_rank, remote_tp_size=remote_tp_size
     )

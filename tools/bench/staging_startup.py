@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -137,13 +136,9 @@ def run(variant: str, pool_gib: float) -> dict[str, Any]:
         The child's measurements.
 
     """
-    rest = [
-        entry
-        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
-    ]
-    path = [str(ROOT / TREES[variant]), *dict.fromkeys([str(ROOT), *rest])]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    from checks.cross_tree import tree_env
+
+    env = tree_env(ROOT / TREES[variant])
     cmd = [sys.executable, __file__, "--child", variant, f"--pool-gib={pool_gib}"]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
