@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +69,13 @@ def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict
     try:
         zoo.connect(decode, prefill)
         reads = getattr(decode, "_coalesced_reads", {}).get(("prefill", 0))
-        row["read_as"] = len(reads.plan.runs) if reads else decode.num_regions
+        if reads is None:
+            row["read_as"] = decode.num_regions
+        elif reads.plan is None:
+            # Page reads into rows: one local page region per peer region.
+            row["read_as"] = len(reads.group_ids[0])
+        else:
+            row["read_as"] = len(reads.plan.runs)
         row["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - the worker refuses this pair
         row["read_as"] = None
@@ -100,10 +105,11 @@ def _column(column: str, layers: int) -> int:
 
 def _run_column(column: str, tree: Path, layers: int) -> dict[str, Any]:
     """Run one column in a process with ``tree`` first on PYTHONPATH."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))
+    from checks.cross_tree import tree_env
+
     done = subprocess.run(
         [sys.executable, __file__, "--column", column, "--layers", str(layers)],
-        env=env,
+        env=tree_env(tree),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
