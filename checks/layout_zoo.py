@@ -358,6 +358,8 @@ _RECIPES: dict[str, _Recipe] = {
         "gpt-oss", KVCacheLayout.LBNHC, host_staging=True
     ),
     "gqa-mixed/BLHNC": _Recipe("gqa-mixed", KVCacheLayout.BLHNC),
+    "llama/LBHNC": _Recipe("llama", KVCacheLayout.LBHNC),
+    "gpt-oss/LBHNC": _Recipe("gpt-oss", KVCacheLayout.LBHNC),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
     "hisparse-glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, hisparse=True),
     "glm53-mtp+host-staging/BLHNC": _Recipe(
@@ -618,6 +620,26 @@ def _gqa_mixed_specs(
     }
 
 
+# Llama-3.1-70B: 8 KV heads of 128, bf16, served at TP=8: each worker (and
+# each P/D rank pair) holds one head.
+_LLAMA_KV_HEADS_PER_RANK = 1
+_LLAMA_HEAD = 128
+
+
+def _llama_specs(
+    layers: range, block_size: int, scale: int, num_layers: int, mtp: bool
+) -> dict[str, KVCacheSpec]:
+    """Llama-3.1-70B-like dense GQA: full attention on every layer, one TP=8
+    rank's share of the KV heads."""
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=_LLAMA_KV_HEADS_PER_RANK,
+        head_size=_scaled(_LLAMA_HEAD, scale),
+        dtype=torch.bfloat16,
+    )
+    return {f"model.layers.{i}.self_attn.attn": spec for i in layers}
+
+
 _NEMOTRON_KV_HEADS = 2
 _NEMOTRON_HEAD = 128
 
@@ -676,6 +698,7 @@ _KV_HEADS = {
     "gpt-oss": _GPT_OSS_KV_HEADS,
     "gqa-mixed": _GPT_OSS_KV_HEADS,
     "nemotron-h": _NEMOTRON_KV_HEADS,
+    "llama": _LLAMA_KV_HEADS_PER_RANK,
 }
 
 _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
@@ -687,6 +710,7 @@ _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
     "mla-swa": (_mla_swa_specs, "FLASHMLA", True),
     "gpt-oss": (_gpt_oss_specs, "FLASH_ATTN", False),
     "gqa-mixed": (_gqa_mixed_specs, "FLASH_ATTN", False),
+    "llama": (_llama_specs, "FLASH_ATTN", False),
     "nemotron-h": (_nemotron_h_specs, "FLASH_ATTN", False),
     "dsv4": (zoo_models.dsv4_specs, "FLASHMLA_SPARSE_DSV4", True),
     "dsv41": (zoo_models.dsv41_specs, "FLASHMLA_SPARSE_DSV41", True),

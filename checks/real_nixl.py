@@ -290,6 +290,8 @@ class PullResult:
         reads: READ handles the worker created.
         coalesced: Whether the worker used coalesced descriptors.
         done_s: Wall time from the call until every READ was DONE.
+        post_s: Wall time of the ``_read_blocks_for_req`` call (the posting).
+        post_cpu_s: The calling thread's CPU time in that call.
 
     """
 
@@ -298,6 +300,8 @@ class PullResult:
     reads: int
     coalesced: bool
     done_s: float
+    post_s: float = 0.0
+    post_cpu_s: float = 0.0
 
 
 def request_meta(
@@ -388,8 +392,9 @@ def pull_request(
     if staging_copies:
         stage_request(prefill, req_id, remote_block_ids)
     nixl = decode.nixl_wrapper
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     decode._read_blocks_for_req(req_id, meta)
+    posted, posted_cpu = time.perf_counter(), time.thread_time()
     handles = decode._recving_transfers.pop(req_id, [])
     if req_id in decode._recv_failures:
         raise RuntimeError(f"read of {req_id} failed to post")
@@ -419,6 +424,8 @@ def pull_request(
         # Stock 0.33.0 (the oracle) has no coalesced reads.
         coalesced=bool(getattr(decode, "_coalesced_reads", None)),
         done_s=done - start,
+        post_s=posted - start,
+        post_cpu_s=posted_cpu - start_cpu,
     )
 
 

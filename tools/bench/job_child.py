@@ -156,8 +156,10 @@ class Child:
         getattr(scheduler, "shutdown", lambda: None)()
         return order
 
-    def resolve(self, model: str, backends: list[str]) -> dict[str, Any]:
-        """The layout this tree resolves without a user setting (NIXL, MLA)."""
+    def resolve(
+        self, model: str, backends: list[str], mla: bool = True
+    ) -> dict[str, Any]:
+        """The layout this tree resolves without a user setting (NIXL)."""
         from tests.v1.kv_connector.unit.utils import create_vllm_config
         from vllm.config.model import ModelConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import (
@@ -198,10 +200,10 @@ class Child:
         # The test config's model is OPT (no GLM-5.3 config offline): it says
         # MLA as GLM-5.3's does (use_mla, is_deepseek_mla); the resolution and
         # the connector read nothing else of the model.
-        mla = property(lambda self: True)
+        says_mla = property(lambda self: mla)
         with (
-            patch.object(ModelConfig, "use_mla", mla),
-            patch.object(ModelConfig, "is_deepseek_mla", mla),
+            patch.object(ModelConfig, "use_mla", says_mla),
+            patch.object(ModelConfig, "is_deepseek_mla", says_mla),
             patch.object(current_platform, "is_cuda", lambda: True),
         ):
             connector = get_kv_connector_cache_layout(config)
@@ -235,6 +237,7 @@ class Child:
         num_blocks: int,
         seed: int,
         model_geometry: bool = False,
+        num_layers: int | None = None,
         disjoint_groups: bool = False,
     ) -> dict[str, Any]:
         """Build and connect the pair; report what it registered.
@@ -251,7 +254,7 @@ class Child:
         self.disjoint_groups = disjoint_groups
         kwargs = dict(
             num_blocks=num_blocks,
-            num_layers=None if model_geometry else NUM_LAYERS,
+            num_layers=None if model_geometry else num_layers or NUM_LAYERS,
             scale=ZOO_SCALE,
             block_size=None if model_geometry else PAGE_TOKENS,
         )
@@ -386,6 +389,33 @@ class Child:
         self.prefill.worker.save_kv_to_host(meta)
         return (time.perf_counter() - start) * 1e3
 
+    def _bare_post(
+        self, xfers: list[tuple[Any, Any, Any, Any]], rid: str
+    ) -> tuple[float, float]:
+        """Post the READ's ids again, bare: (wall ms, this thread's CPU ms) of
+        ``make_prepped_xfer`` + ``transfer`` alone, on the decoder's agent and
+        prepared lists, with a notification as the worker's (the same bytes
+        land again)."""
+        assert self.decode is not None
+        nixl = self.decode.worker.nixl_wrapper
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        handles = [
+            self.recorder.bare_make(nixl, "READ", *xfer, notif_msg=f"{rid}:1".encode())
+            for xfer in xfers
+        ]
+        for handle in handles:
+            nixl.transfer(handle)
+        ms = (time.perf_counter() - start) * 1e3
+        cpu_ms = (time.thread_time() - start_cpu) * 1e3
+        for handle in handles:
+            state = nixl.check_xfer_state(handle)
+            while state == "PROC":
+                state = nixl.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"bare re-post ended in state {state!r}")
+            nixl.release_xfer_handle(handle)
+        return ms, cpu_ms
+
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
         from job_nixl import floor_offsets, verify_and_zero, zero_rows
@@ -410,11 +440,11 @@ class Child:
         local_lists = self.group_lists(t.local_ids, decode.groups)
         remote_lists = self.group_lists(t.remote_ids, decode.groups)
         result = pull_request(decode.worker, prefill.worker, local_lists, remote_lists)
+        xfers = self.recorder.take(decode.agent)
+        bare_ms, bare_cpu_ms = self._bare_post(xfers, t.rid)
         # Nobody consumes the prefiller's READ notifications here; drop them.
         prefill.worker.nixl_wrapper.get_new_notifs()
-        dst, src, n = self.recorder.pieces(
-            decode.agent, prefill.agent, self.recorder.take(decode.agent)
-        )
+        dst, src, n = self.recorder.pieces(decode.agent, prefill.agent, xfers)
         if decode.stages and verify:
             # Only where the device pages are compared: the other READs leave
             # the bytes in the host buffers (zeroed with the memmove floor).
@@ -477,6 +507,10 @@ class Child:
             "descs": result.descriptors,
             "list_floor": len(n),
             "done_ms": result.done_s * 1e3,
+            "post_ms": result.post_s * 1e3,
+            "bare_post_ms": bare_ms,
+            "post_cpu_ms": result.post_cpu_s * 1e3,
+            "bare_post_cpu_ms": bare_cpu_ms,
             "floor_ms": floor_ms,
             "d2h_ms": d2h,
             "h2d_ms": h2d,

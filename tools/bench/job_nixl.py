@@ -9,7 +9,8 @@
 - ``NixlFloor``: the NIXL time floor: the same pieces posted by a bare NIXL
   READ between two fresh agents (``nixl_agent`` API only: register,
   ``prep_xfer_dlist``, ``make_prepped_xfer``, ``transfer``), in a process of
-  its own, so ``done - NIXL floor`` is what vLLM's read path adds.
+  its own, with a notification and polled as the worker's READ is (like for
+  like), and once more without either.
 - Byte checks: decoder pages against prefiller pages, stray bytes.
 
 Torch and numpy only; vLLM is never imported here.
@@ -49,6 +50,8 @@ class Recorder:
         self._sorted: dict[str, np.ndarray] = {}
         self.dlists: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
         self.xfers: dict[str, list[tuple[Any, Any, Any, Any]]] = {}
+        # The agent class's own make_prepped_xfer (unrecorded).
+        self.bare_make: Any = None
 
     @staticmethod
     def _key(handle: Any) -> int:
@@ -76,6 +79,8 @@ class Recorder:
             if rows.ndim == 2 and rows.shape[1] in (3, 4, 5):
                 rec.dlists[(self.name, rec._key(handle))] = (agent_name, rows)
             return handle
+
+        rec.bare_make = make_xfer
 
         def make_xfer_rec(
             self: Any, op: str, local: Any, li: Any, remote: Any, ri: Any, *a, **k
@@ -264,14 +269,19 @@ class NixlFloor:
     def read(
         self, p_off: np.ndarray, d_off: np.ndarray, n: np.ndarray, verify: bool
     ) -> dict[str, Any]:
-        """One READ of the pieces; ms from ``make_prepped_xfer`` to DONE.
+        """One READ of the pieces, like for like with the worker's, and one bare.
 
-        The lists are prepared before the clock starts, as the connector
-        prepares its lists at the handshake. With ``verify`` every piece is
-        compared with its source and the decoder side zeroed again.
+        ``ms``: from ``make_prepped_xfer`` to DONE, posted with a notification
+        as the worker posts its READ (``notif_msg``) and polled as the worker's
+        caller polls it: one ``check_xfer_state`` per poll, each after a yield,
+        at least one. ``ms_no_notif``: the same pieces without a notification,
+        polled only while the post says ``PROC``. The lists are prepared before
+        the clock starts, as the connector prepares its lists at the handshake.
+        With ``verify`` every piece is compared with its source and the
+        decoder side zeroed again.
         """
         src, dst = self.buffers
-        reader = self.agents[1]
+        owner, reader = self.agents
         rows = np.zeros((len(n), 3), dtype=np.int64)
         rows[:, 0], rows[:, 1] = d_off + dst.ctypes.data, n
         local = reader.prep_xfer_dlist("", rows, "DRAM")
@@ -279,28 +289,48 @@ class NixlFloor:
         rows[:, 0] = p_off + src.ctypes.data
         remote = reader.prep_xfer_dlist(self.peer, rows, "DRAM")
         ids = np.arange(len(n), dtype=np.int64)
-        self.scratch.sum()  # as before the READ: no piece starts in the cache
+        times: dict[bool, float] = {}
+        telemetry = None
         try:
-            start = time.perf_counter()
-            handle = reader.make_prepped_xfer("READ", local, ids, remote, ids)
-            state = reader.transfer(handle)
-            while state == "PROC":
-                os.sched_yield()
-                state = reader.check_xfer_state(handle)
-            ms = (time.perf_counter() - start) * 1e3
-            if state != "DONE":
-                raise RuntimeError(f"floor READ ended in state {state!r}")
-            telemetry = reader.get_xfer_telemetry(handle)
-            reader.release_xfer_handle(handle)
+            for notif in (True, False):
+                self.scratch.sum()  # as before the READ: no piece in the cache
+                start = time.perf_counter()
+                handle = reader.make_prepped_xfer(
+                    "READ",
+                    local,
+                    ids,
+                    remote,
+                    ids,
+                    notif_msg=f"floor-{uuid.uuid4()}:1".encode() if notif else b"",
+                )
+                state = reader.transfer(handle)
+                if notif:
+                    os.sched_yield()
+                    state = reader.check_xfer_state(handle)
+                while state == "PROC":
+                    os.sched_yield()
+                    state = reader.check_xfer_state(handle)
+                times[notif] = (time.perf_counter() - start) * 1e3
+                if state != "DONE":
+                    raise RuntimeError(f"floor READ ended in state {state!r}")
+                telemetry = reader.get_xfer_telemetry(handle)
+                reader.release_xfer_handle(handle)
         finally:
             reader.release_dlist_handle(local)
             reader.release_dlist_handle(remote)
+            owner.get_new_notifs()
+        assert telemetry is not None
         ok = int(telemetry.totalBytes) == int(n.sum())
         if verify:
             for p, d, k in zip(p_off.tolist(), d_off.tolist(), n.tolist(), strict=True):
                 ok &= bool(np.array_equal(dst[d : d + k], src[p : p + k]))
                 dst[d : d + k] = 0
-        return {"ms": ms, "descs": int(telemetry.descCount), "ok": ok}
+        return {
+            "ms": times[True],
+            "ms_no_notif": times[False],
+            "descs": int(telemetry.descCount),
+            "ok": ok,
+        }
 
     def release(self) -> None:
         if self.peer:

@@ -265,6 +265,9 @@ def run_phase(phase: Phase, note: Callable[[str], None]) -> None:
                     )
                 floor = floors.get(key)
                 result["nixl_floor_ms"] = floor["ms"] if floor else float("nan")
+                result["nixl_floor_no_notif_ms"] = (
+                    floor["ms_no_notif"] if floor else float("nan")
+                )
                 result["nixl_floor_descs"] = floor["descs"] if floor else None
                 if floor and not floor["ok"]:
                     result["notes"].append(f"READ {i}: NIXL floor bytes differ")

@@ -27,6 +27,8 @@ GLM53_BACKENDS = (
     "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
     "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerBackend",
 )
+# Dense and sliding-window GQA models on CUDA (Llama, gpt-oss): FlashAttention.
+GQA_BACKENDS = ("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",)
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,13 @@ class DefaultLayout:
         backends: ``module:Class`` of the attention backends the model runs
             on, whose declared layouts (``supported_kv_cache_layouts``) are
             the workers' supported sets.
+        mla: The model is MLA (the resolution's model config says so).
 
     """
 
     model: str
     backends: tuple[str, ...]
+    mla: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,14 @@ class Scenario:
             count (8 layers + MTP) instead of the job's 78 layers of 4-token
             pages, and its block lists are replayed through pools of that
             block size holding the same tokens.
+        num_layers: Decoder layers of the model, instead of the job's 78.
         disjoint_groups: The transfer groups overlay one block row, so each
             reads its own contiguous share of a request's block list (SYNTHETIC
             split: the replay allocates one group); else every group reads
             the whole list.
+        rows: Manifest names of the patches whose prefixes get a row, besides
+            stock and the series (the patches that introduced or change the
+            scenario's read path); empty: every prefix.
         description: One line for the legend.
 
     """
@@ -107,7 +115,9 @@ class Scenario:
     staging_recipe: str | None = None
     synthetic_layout: bool = False
     model_block_tokens: int | None = None
+    num_layers: int | None = None
     disjoint_groups: bool = False
+    rows: tuple[str, ...] = ()
     description: str = ""
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
@@ -156,6 +166,7 @@ SCENARIOS = (
             Pairing("D only", d_stages=True),
         ),
         staging_recipe="glm53-mtp+host-staging/BLHNC",
+        rows=("nixl-row-page-reads", "nixl-mirrored-host-staging"),
         description="kv_buffer_device=cpu on both sides (P+D) or on the decoder "
         "only (D only; stock refuses a staging prefiller with a device BLHNC "
         "decoder): stock stages in per-layer buffers (103 regions), the "
@@ -167,6 +178,7 @@ SCENARIOS = (
         "HiSparse decoder <- GLM-5.3 BLHNC prefiller",
         "glm53/BLHNC",
         "hisparse-glm53/BLHNC",
+        rows=("nixl-coalesced-reads",),
         description="device row of strided indexer pages + LBNHC host pool of "
         "per-layer MLA pages (101 regions) on the decoder",
     ),
@@ -189,6 +201,7 @@ SCENARIOS = (
         staging_recipe="dsv4-mtp+host-staging/BLHNC",
         model_block_tokens=256,
         disjoint_groups=True,
+        rows=("nixl-host-staging-group-copies",),
         description="8 layers + MTP at the model's page sizes and 256-token "
         "blocks, lists replayed through 256-token pools; each transfer group "
         "reads its own contiguous share of a request's list (SYNTHETIC "
@@ -207,7 +220,36 @@ SCENARIOS = (
         "synthetic/glm-draft-storage",
         "synthetic/glm-draft-storage",
         synthetic_layout=True,
+        rows=("nixl-coalesced-reads",),
         description="the GLM-5.3 row + a draft MLA cache in its own allocation "
         "(102 regions), the row of the upstream change's report",
+    ),
+    Scenario(
+        "llama-dense",
+        "(8)",
+        "default layout, dense GQA, Llama-3.1-70B-like",
+        "llama/{layout}",
+        "llama/{layout}",
+        default_layout=DefaultLayout("llama", GQA_BACKENDS, mla=False),
+        num_layers=80,
+        description="not MLA: 80 full-attention layers, 8 KV heads of 128 "
+        "(bf16) served at TP=8, one rank pair's share (one head each side); "
+        "what a user gets without setting a layout (each tree resolves it as "
+        "in (1)); same block lists as (1)",
+    ),
+    Scenario(
+        "gpt-oss-hma",
+        "(9)",
+        "default layout, sliding-window + full GQA (HMA), gpt-oss-like",
+        "gpt-oss/{layout}",
+        "gpt-oss/{layout}",
+        default_layout=DefaultLayout("gpt-oss", GQA_BACKENDS, mla=False),
+        num_layers=36,
+        disjoint_groups=True,
+        description="not MLA: gpt-oss-120b-like 36 layers alternating sliding "
+        "window (128 tokens) and full GQA attention, 8 KV heads of 64 (bf16) on "
+        "one rank; two KV cache groups (HMA) whose layer pairs share tensors, "
+        "default layout; each group reads its own contiguous share of a "
+        "request's list (SYNTHETIC split: the replay allocates one group)",
     ),
 )

@@ -34,11 +34,24 @@ DEFINITIONS = {
     "after the READ.",
     "NIXL floor": "the same pieces posted by one bare NIXL READ between two "
     "fresh agents created as vLLM creates them (prep_xfer_dlist before the "
-    "clock, make_prepped_xfer + transfer until DONE), in the floor's process; "
-    "one per READ and distinct set of pieces (variants with the same layouts "
-    "and block lists share it).",
+    "clock), like for like with the worker's READ: make_prepped_xfer with a "
+    "notification (notif_msg, as the worker posts it) + transfer, then one "
+    "check_xfer_state per poll after a yield, at least one, until DONE; in "
+    "the floor's process, one per READ and distinct set of pieces (variants "
+    "with the same layouts and block lists share it). no notif: the same "
+    "pieces without a notification, polled only while the post says PROC.",
     "done": "from the call into the decoder's read path until NIXL reports "
-    "every READ of the request DONE; vLLM ms = done - NIXL floor, per READ.",
+    "every READ of the request DONE (the caller polls as the NIXL floor "
+    "does).",
+    "vLLM ms": "what the worker's own code costs per READ, in CPU: the "
+    "calling thread's CPU time in the _read_blocks_for_req call (id checks, "
+    "sort, descriptor ids, make_prepped_xfer, transfer) minus its CPU time "
+    "in a bare make_prepped_xfer + transfer of the same ids on the same agent "
+    "and prepared lists (with a notification), posted right after the READ "
+    "is DONE. Wall times (JSON post_ms, bare_post_ms) also hold waits for a "
+    "core: on 2 cores the agents' progress threads poll, and a post can wait "
+    "a scheduler tick. Waiting for DONE is in neither (JSON "
+    "over_nixl_floor_ms = done - NIXL floor).",
     "done/floor": "median over the READs of done / floor (memmove or NIXL).",
     "staging ms": "d2h: the prefiller's save_kv_to_host of all the request's "
     "blocks before the READ, timed on the sampled READs (the cold one, every "
@@ -59,6 +72,11 @@ SAMPLE_KEYS = (
     "done_ms",
     "floor_ms",
     "nixl_floor_ms",
+    "nixl_floor_no_notif_ms",
+    "post_ms",
+    "bare_post_ms",
+    "post_cpu_ms",
+    "bare_post_cpu_ms",
     "d2h_ms",
     "h2d_ms",
 )
@@ -137,7 +155,8 @@ def row_record(
     descs, floor = stats(s["descs"], FULL), stats(s["list_floor"], FULL)
     done, time_floor = stats(s["done_ms"], FULL), stats(s["floor_ms"], FULL)
     nixl_floor = stats(s["nixl_floor_ms"], FULL)
-    own = [d - f for d, f in zip(s["done_ms"], s["nixl_floor_ms"], strict=True)]
+    own = [p - b for p, b in zip(s["post_cpu_ms"], s["bare_post_cpu_ms"], strict=True)]
+    wait = [d - f for d, f in zip(s["done_ms"], s["nixl_floor_ms"], strict=True)]
     staged: dict[str, Any] = {}
     for key in ("d2h", "h2d"):
         timed = [x for x in s[f"{key}_ms"] if x == x]
@@ -174,7 +193,13 @@ def row_record(
         "done_ms": done,
         "time_floor_ms": time_floor,
         "nixl_floor_ms": nixl_floor,
+        "nixl_floor_no_notif_ms": stats(s["nixl_floor_no_notif_ms"], FULL),
+        "post_ms": stats(s["post_ms"], FULL),
+        "bare_post_ms": stats(s["bare_post_ms"], FULL),
+        "post_cpu_ms": stats(s["post_cpu_ms"], FULL),
+        "bare_post_cpu_ms": stats(s["bare_post_cpu_ms"], FULL),
         "vllm_ms": stats(own, FULL),
+        "over_nixl_floor_ms": stats(wait, FULL),
         "done_over_floor": {
             "p50": _median_ratio(s["done_ms"], s["floor_ms"]),
             "total": div(done["total"], time_floor["total"]),

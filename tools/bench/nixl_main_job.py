@@ -58,7 +58,7 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
      "lists": {group: {"variants", "order", "source", "synthetic",
                        "transfers", "blocks_p50", ..., "notes"}},
      "scenarios": [{"key", "short", "label", "prefiller", "decoder",
-                    "pairings", "synthetic_layout", "description"}],
+                    "pairings", "synthetic_layout", "rows", "description"}],
      "rows": [{"scenario", "pairing", "variant", "label", "status",
                "error",                            # when not "ok"
                "switches": {"order", "pool", "read", "staging", "layout"},
@@ -69,7 +69,10 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
                "transfers", "blocks", "bytes",
                "descs_per_read", "list_floor", "descs_over_list_floor",
                "done_ms", "time_floor_ms", "nixl_floor_ms",
-               "vllm_ms",                          # done - NIXL floor
+               "nixl_floor_no_notif_ms", "post_ms", "bare_post_ms",
+               "post_cpu_ms", "bare_post_cpu_ms",
+               "vllm_ms",                          # CPU: post - bare post
+               "over_nixl_floor_ms",               # done - NIXL floor
                "done_over_floor", "done_over_nixl_floor": {"p50", "total"},
                "staging_ms": {"d2h", "h2d"}, "cold",
                "vs_stock": {"descs_p50", "done_p50"},
@@ -183,6 +186,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=32,
         help="READs per variant and pass after the cold one",
+    )
+    run.add_argument(
+        "--upgrade-transfers",
+        type=int,
+        default=16,
+        help="READs of each rolling-upgrade pair after the cold one (each "
+        "checked page by page across two processes)",
     )
     run.add_argument(
         "--repeat",
@@ -304,7 +314,10 @@ class Job:
             for v in self.chosen if spec is not None else []:
                 try:
                     found = self.procs[v.key].call(
-                        "resolve", model=spec.model, backends=list(spec.backends)
+                        "resolve",
+                        model=spec.model,
+                        backends=list(spec.backends),
+                        mla=spec.mla,
                     )
                 except job_rig.ChildError as exc:
                     found = {"error": str(exc).strip().splitlines()[-1]}
@@ -406,7 +419,14 @@ class Job:
     ) -> list[dict[str, Any]]:
         """Build every variant's pair, READ them in turn, tear down."""
         args, where = self.args, f"{scenario.key} {pairing.label}".strip()
-        members = self.chosen
+        members = [
+            v
+            for v in self.chosen
+            if not scenario.rows
+            or v.key == "stock"
+            or v.series
+            or v.patches[-1].split(" ", 1)[1] in scenario.rows
+        ]
         per_variant, num_blocks = self.lists_for(scenario)
         unresolved = {}
         for v in members:
@@ -425,6 +445,7 @@ class Job:
                 num_blocks=num_blocks,
                 seed=args.seed,
                 model_geometry=scenario.model_block_tokens is not None,
+                num_layers=scenario.num_layers,
                 disjoint_groups=scenario.disjoint_groups,
             )
         rows, built, infos, stray = [], [], {}, {}
@@ -505,9 +526,11 @@ class Job:
             scale=ZOO_SCALE,
             block_size=PAGE_TOKENS,
         )
+        # The cold READ and the first --upgrade-transfers of the job's READs.
+        count = self.args.upgrade_transfers + 1
         rows = job_upgrade.run_upgrade(
             {k: v.tree for k, v in trees.items()},
-            {k: self.per_variant[v.key]["transfers"] for k, v in trees.items()},
+            {k: self.per_variant[v.key]["transfers"][:count] for k, v in trees.items()},
             geometry,
             self.note,
         )
@@ -621,6 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "decoder": s.decoder,
                 "pairings": [p.label for p in s.pairings],
                 "synthetic_layout": s.synthetic_layout,
+                "rows": list(s.rows),
                 "description": s.description,
             }
             for s in args.scenarios

@@ -11,7 +11,7 @@ measures anything. The tables:
 - descriptors: per row (scenario, pairing, variant) the layout, regions,
   registered descriptors, descriptors per READ against the list floor;
 - time (measured): done per READ against the memmove and the NIXL floor,
-  vLLM's own share (done - NIXL floor), staging copies, cold READ, ratios to
+  vLLM's own CPU per READ (post - bare post), staging copies, cold READ, ratios to
   the row group's stock row;
 - PROJECTION (not measured): descriptors per READ converted to post time with
   the per-descriptor costs upstream published for GPUs, with the sources;
@@ -125,12 +125,25 @@ TIME_HEAD = (
     "done ms p50 / p95 / p99",
     "memmove floor ms p50 / p95",
     "NIXL floor ms p50 / p95",
+    "no notif p50",
     "done/floor",
     "done/NIXL floor",
-    "vLLM ms p50 / p95",
+    "vLLM CPU ms p50 / p95",
     "staging ms p50 / p95",
     "cold ms",
     "descs, done p50 vs stock",
+)
+SPLIT_HEAD = (
+    "scenario",
+    "variant",
+    "done ms",
+    "post wall ms",
+    "post CPU ms",
+    "bare post CPU ms",
+    "vLLM CPU ms",
+    "done - post ms",
+    "NIXL floor ms",
+    "no notif ms",
 )
 PROJ_HEAD = (
     "scenario",
@@ -175,12 +188,35 @@ def _time_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
         _trio(r["done_ms"], _ms),
         _trio(r["time_floor_ms"], _ms, ("p50", "p95")),
         _trio(r["nixl_floor_ms"], _ms, ("p50", "p95")),
+        _trio(r.get("nixl_floor_no_notif_ms"), _ms, ("p50",)),
         _ratio(r["done_over_floor"]["p50"], 1),
         _ratio(r["done_over_nixl_floor"]["p50"], 1),
         _trio(r["vllm_ms"], _ms, ("p50", "p95")),
         _staging(r),
         _ms(r["cold"]["ms"]) + ("" if r["cold"]["fresh_agents"] else "*"),
         f"{_ratio(vs.get('descs_p50'), 3)}, {_ratio(vs.get('done_p50'), 3)}",
+    )
+
+
+def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...] | None:
+    """p50s of where a READ's time goes (rows of schema-4 runs that have it)."""
+    if r["status"] != "ok" or "post_cpu_ms" not in r:
+        return None
+
+    def p50(key: str) -> str:
+        return _ms((r.get(key) or {}).get("p50"))
+
+    return (
+        _scenario(s),
+        r["label"],
+        p50("done_ms"),
+        p50("post_ms"),
+        p50("post_cpu_ms"),
+        p50("bare_post_cpu_ms"),
+        p50("vllm_ms"),
+        _ms(r["done_ms"]["p50"] - r["post_ms"]["p50"]),
+        p50("nixl_floor_ms"),
+        p50("nixl_floor_no_notif_ms"),
     )
 
 
@@ -342,6 +378,13 @@ def _legend(payload: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(f"{_scenario(s)}: {s['label']}: {s['description']}{tag}.")
+        if s.get("rows"):
+            lines.append(
+                "    Rows: stock, the prefix through "
+                + " and through ".join(s["rows"])
+                + " (the patches that introduced this read path) and the series; "
+                "the other prefixes are left out to keep the job short."
+            )
         for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
             sw = r["switches"]
             layout = r["layout"] or {}
@@ -456,6 +499,18 @@ def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
     lines += fmt([DESC_HEAD, *(_desc_cells(s, r) for s, r in rows)])
     lines += ["", "Time, measured (warm READs; staging copies timed on their own)", ""]
     lines += fmt([TIME_HEAD, *(_time_cells(s, r) for s, r in rows)])
+    split = [c for c in (_split_cells(s, r) for s, r in rows) if c is not None]
+    if split:
+        lines += [
+            "",
+            "Where a READ's time goes (p50 of each column on its own): the "
+            "call into _read_blocks_for_req (post) in wall time and in the "
+            "calling thread's CPU, a bare post of the same ids, and the wait "
+            "after the post until DONE; next to the NIXL floor with and "
+            "without a notification",
+            "",
+        ]
+        lines += fmt([SPLIT_HEAD, *split])
     lines += ["", f"{proj['label']}: post time on GPUs from published costs", ""]
     lines += fmt([PROJ_HEAD, *(_proj_cells(s, r, proj) for s, r in rows)])
     upgrade = upgrade_lines(payload, fmt)
