@@ -7,7 +7,8 @@ DRAM, hands P's advertised metadata to D as the handshake does (tampered
 with for the metadata cases), and submits one request the way
 ``start_load_kv`` does (``_recving_metadata``, then ``_read_blocks_for_req``).
 A fault is injected deterministically at the NIXL boundary of the decoder
-(a post that raises, a transfer whose state is ``"ERR"``), or in the peer's
+(a post that raises, a transfer whose state is ``"ERR"``, the prefiller's
+KV memory deregistered before the post), or in the peer's
 input (remote block ids out of the peer's range, a list per transfer group
 missing, an empty remote list against a non-empty local one; handshake
 metadata that does not match what the peer registered). The decoder is then
@@ -18,7 +19,10 @@ The outcome of a case is what the scheduler would see and what the decoder
 holds: whether the handshake or the submission raised (an exception outside
 the transfer-failure path takes the engine down), how many READs were posted,
 whether the request came back in ``failed_recving``, the invalid block ids,
-and whether any decoder byte outside the request's blocks changed. The same
+and whether any decoder byte outside the request's blocks changed; then
+what vLLM's own scheduler does with that report under each
+``kv_load_failure_policy`` (``scheduler_outcome``; for ``abort-in-flight``
+the scheduler aborts the request while its READ is in flight). The same
 code runs against stock 0.33.0 (``--json``) and the fork
 (``checks/test_faults.py``).
 
@@ -28,6 +32,7 @@ code runs against stock 0.33.0 (``--json``) and the fork
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -73,6 +78,8 @@ FAULTS = [
     "meta-regions",
     "meta-block-len",
     "meta-num-blocks",
+    "peer-deregistered",
+    "abort-in-flight",
 ]
 INPUT_FAULTS = {"remote-out-of-range", "remote-group-missing", "remote-empty"}
 
@@ -184,6 +191,123 @@ def _poll(decode, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
     return False, False
 
 
+POLICIES = ("fail", "recompute")
+
+
+@functools.cache
+def scheduler_outcome(
+    groups: int,
+    policy: str,
+    finished: bool,
+    failed: bool,
+    invalid: str,
+    abort: bool = False,
+) -> str:
+    """What vLLM's own scheduler does with a worker's report, under ``policy``.
+
+    A real ``Scheduler`` with one KV cache group, or with two (full +
+    sliding window, as an HMA model plans; it treats any number above one
+    alike) where ``groups`` is above one, parks a request on an asynchronous
+    remote load of two of its three blocks, as a decoder does for a remote
+    prefill. The worker's report comes back through ``update_from_output``:
+    the request in ``finished_recving`` (and ``failed_recving``), and as
+    invalid blocks the request's blocks of the first group (``invalid``:
+    ``"request"``), its first block only (``"other"``), or none. Then the
+    scheduler schedules once more. With ``abort`` the request is aborted
+    (``finish_requests``) while its load is in flight, before the report.
+
+    Returns:
+        ``"failed"`` (FINISHED_ERROR), ``"recompute"`` (scheduled again with
+        no remote token counted), ``"loaded"`` (scheduled with the remote
+        tokens counted), ``"parked"`` (still waiting for the load), or
+        ``"raised: <type>"``; with ``abort``: ``"held, then freed"`` when the
+        request's blocks stay allocated until the report (NIXL may still be
+        writing them) and are all freed by it, else what happened.
+    """
+    from unittest.mock import Mock
+
+    from tests.v1.kv_connector.unit.utils import (
+        create_mock_connector,
+        create_model_runner_output,
+        create_request,
+        create_scheduler,
+        create_vllm_config,
+        make_kv_cache_config,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    from vllm.v1.request import RequestStatus
+
+    class HMAConnector(Mock):
+        """A mock connector that, as NixlConnector, supports HMA."""
+
+    SupportsHMA.register(HMAConnector)
+
+    config = create_vllm_config(kv_load_failure_policy=policy)
+    block = config.cache_config.block_size
+    scheduler = create_scheduler(
+        config,
+        kv_cache_config=make_kv_cache_config(
+            block, swa_enabled=groups > 1, num_blocks=64
+        ),
+    )
+    request = create_request(num_tokens=3 * block, block_size=block)
+    scheduler.add_request(request)
+    connector = HMAConnector()
+    connector.get_external_cache_hit_sources = (
+        create_mock_connector().get_external_cache_hit_sources
+    )
+    scheduler.connector = connector
+    scheduler.connector.get_loaded_kv_cache_group_ids.return_value = tuple(
+        range(groups)
+    )
+    scheduler.connector.get_num_new_matched_tokens.side_effect = [
+        (2 * block, True),
+        (0, False),
+    ]
+    scheduler.connector.request_finished_all_groups.return_value = (False, None)
+    scheduler.connector.take_events.return_value = ()
+    pool = scheduler.kv_cache_manager.block_pool
+    free_at_start = pool.get_num_free_blocks()
+    parked = scheduler.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    if abort:
+        held = pool.get_num_free_blocks()
+        scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+        if pool.get_num_free_blocks() != held:
+            return "freed while the load is in flight"
+    blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+    output = create_model_runner_output(
+        [],
+        finished_recving={request.request_id} if finished else set(),
+        invalid_block_ids={"request": set(blocks[:2]), "other": {blocks[0]}}.get(
+            invalid
+        ),
+    )
+    assert output.kv_connector_output is not None
+    if failed:
+        output.kv_connector_output.failed_recving = {request.request_id}
+    try:
+        scheduler.update_from_output(parked, output)
+        if abort:
+            scheduler.schedule()
+            if pool.get_num_free_blocks() != free_at_start:
+                return "held after the report"
+            return "held, then freed"
+        if request.status == RequestStatus.FINISHED_ERROR:
+            return "failed"
+        scheduled = scheduler.schedule()
+    except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
+        return f"raised: {type(e).__name__}"
+    if request.status == RequestStatus.FINISHED_ERROR:
+        return "failed"
+    tokens = scheduled.num_scheduled_tokens.get(request.request_id)
+    if tokens is None:
+        return "parked"
+    # Scheduled: from the remote tokens (the last one is recomputed to sample
+    # the next, as after any full load), or from scratch.
+    return "recompute" if tokens >= 3 * block else "loaded"
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake, submit and poll one case; return its outcome."""
     from checks.layout_zoo import fill_pattern, zero
@@ -219,6 +343,10 @@ def run_case(case: Case) -> dict[str, Any]:
             num_tokens=4 * p_layout.block_size,
         )
         stage_request(prefill, req_id, remote)
+        if case.fault == "peer-deregistered":
+            # The prefiller goes away before the READ is posted: its KV
+            # memory is deregistered from its agent (as on sleep).
+            prefill.unregister_kv_caches()
         with _captured() as logged:
             decode._recving_metadata[req_id] = meta
             try:
@@ -243,6 +371,20 @@ def run_case(case: Case) -> dict[str, Any]:
             wrong_pages=truth["wrong_pages"],
             outside_clean=truth["outside_clean"],
         )
+        reported = "none"
+        if invalid:
+            reported = "request" if invalid == out["request_blocks"] else "other"
+        out["scheduler"] = {
+            policy: scheduler_outcome(
+                out["groups"],
+                policy,
+                finished,
+                failed,
+                reported,
+                abort=case.fault == "abort-in-flight",
+            )
+            for policy in POLICIES
+        }
         return out
     finally:
         for worker in reversed(workers):

@@ -18,6 +18,11 @@ says what each injects). On every case the fork must:
   log line naming the request;
 - change no decoder byte outside the request's blocks, and land every page
   exactly when it reports success;
+- have vLLM's own scheduler act on that report as its policy says: under
+  ``"fail"`` a failed request fails, under ``"recompute"`` it is computed
+  again, and a request is only ever scheduled with its remote tokens counted
+  when every page landed, and a request aborted while its READ is in
+  flight keeps its blocks until the READ is reported;
 - read exactly wherever stock reads exactly.
 """
 
@@ -49,8 +54,26 @@ def stock() -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_fault_is_reported_and_contained(stock: dict, case: Case):
-    want = stock[case.name]
-    got = run_case(case)
+    _check(case, run_case(case), stock[case.name])
+
+
+# The same cases as run on the prefixes of the series that introduced a read
+# path (tools/run_tests.py writes them and names the files in PREFIX_FAULTS).
+PREFIX_RUNS = [
+    Path(path) for path in os.environ.get("PREFIX_FAULTS", "").split(os.pathsep) if path
+]
+
+
+@pytest.mark.parametrize("run", PREFIX_RUNS, ids=[p.stem for p in PREFIX_RUNS])
+def test_fault_is_reported_and_contained_on_prefix(stock: dict, run: Path):
+    outcomes = json.loads(run.read_text(encoding="utf-8"))
+    assert set(outcomes) == {case.name for case in CASES}, run
+    for case in CASES:
+        _check(case, outcomes[case.name], stock[case.name])
+
+
+def _check(case: Case, got: dict, want: dict) -> None:
+    """The rules above, for one case's outcome (``got``) against stock's."""
     if got["step"] == "handshake":
         # Refused before any request: the handshake thread fails the
         # requests waiting on it. Stock refuses it too.
@@ -62,7 +85,15 @@ def test_fault_is_reported_and_contained(stock: dict, case: Case):
     if not got["failed"]:
         assert case.fault not in INPUT_FAULTS, got
         assert got["wrong_pages"] == 0, f"{case.name}: reported done, {got}"
+        if case.fault == "abort-in-flight":
+            # Aborted while NIXL may write them: the blocks are freed only by
+            # the report.
+            held = "held, then freed"
+            assert got["scheduler"] == {"fail": held, "recompute": held}, got
+        else:
+            assert got["scheduler"] == {"fail": "loaded", "recompute": "loaded"}, got
         return
+    assert got["scheduler"] == {"fail": "failed", "recompute": "recompute"}, got
     # The failure channel of the model.
     if got["groups"] == 1:
         assert got["invalid_blocks"] == got["request_blocks"], got

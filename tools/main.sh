@@ -10,7 +10,9 @@
 # post-time projection from published costs. Writes
 # build/bench/nixl_descriptors.json and prints the tables rendered from it,
 # then the regions per zoo P/D pair (tools/zoo_regions.py,
-# build/bench/zoo_regions.json). Extra arguments go to the job (default:
+# build/bench/zoo_regions.json) and one line per fault case on stock, the
+# read paths' prefixes and the series (tools/fault_lines.py,
+# build/bench/faults.json). Extra arguments go to the job (default:
 # --out build/bench --verify sample), e.g. --repeat 3, --quick, or
 # --scenarios blhnc-row --variants series.
 #
@@ -57,3 +59,8 @@ export PYTHONPATH="$TREE:$ROOT"
 echo
 echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
 "$VPY" tools/zoo_regions.py --json build/bench/zoo_regions.json
+# One line per fault case: the outcome on stock, on the prefixes that
+# introduced a read path, and on the series (checks/faults.py, ~1 min).
+echo
+echo "main: fault cases per tree (tools/fault_lines.py)"
+"$VPY" tools/fault_lines.py --json build/bench/faults.json

@@ -169,6 +169,15 @@ CPU_JOB = (
     "nixlconnector-unit-real-nixl-cpu",
 )
 STOCK_TREE = ROOT / "build" / "stock"
+# The patches that introduced a read path the fault cases take (coalesced
+# reads: HiSparse; page reads: an LBNHC prefiller into rows; mirrored host
+# staging): the fault cases also run on their prefixes of the series.
+FAULT_PREFIXES = (
+    "nixl-coalesced-reads",
+    "nixl-row-page-reads",
+    "nixl-mirrored-host-staging",
+)
+FAULT_PREFIX_DIR = ROOT / "build" / "fault-prefixes"
 CHECKS_OUT = ROOT / "build" / "checks"
 
 # One deliberate break per exported test file: (test file under tests/, file
@@ -1036,6 +1045,26 @@ def stock_worktree() -> Path:
     return STOCK_TREE
 
 
+def fault_prefix_worktrees() -> dict[str, Path]:
+    """Worktrees of build/vllm at the last commit of each ``FAULT_PREFIXES``."""
+    names = [patch.name for patch in load_manifest().patches]
+    commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
+    trees = {}
+    for name in FAULT_PREFIXES:
+        commit = commits[names.index(name)]
+        path = FAULT_PREFIX_DIR / name
+        head = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if head != commit or not git_ok("-C", str(path), "diff", "--quiet", "HEAD"):
+            add_worktree(path, commit)
+        trees[name] = path
+    return trees
+
+
 def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """The stock oracles on build/stock (three processes at once), then checks/."""
     stock = stock_worktree()
@@ -1043,6 +1072,10 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
     procs = []
     faults = CHECKS_OUT / "stock_faults.json"
+    prefixes = fault_prefix_worktrees()
+    prefix_faults = {
+        name: CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes
+    }
     with open(log, "a", encoding="utf-8") as out:
         # The pairing matrix in two shards, and the fault cases.
         for cmd in [
@@ -1057,6 +1090,18 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
                                           stderr=subprocess.STDOUT))  # fmt: skip
     if any(proc.wait() != 0 for proc in procs):
         return Result(suite.name, failed=1, note="stock oracle failed (see log)")
+    with open(log, "a", encoding="utf-8") as out:
+        # The fault cases on the prefixes that introduced a read path.
+        procs = []
+        for name, tree in prefixes.items():
+            penv = dict(env, PYTHONPATH=pythonpath(tree, ROOT))
+            cmd = [PYTHON, "-m", "checks.faults", "--json", str(prefix_faults[name])]
+            out.write(f"$ PYTHONPATH={penv['PYTHONPATH']} {' '.join(cmd)}\n")
+            out.flush()
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=out,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+    if any(proc.wait() != 0 for proc in procs):
+        return Result(suite.name, failed=1, note="prefix fault runs failed (see log)")
     merged: dict[str, object] = {}
     for shard in range(2):
         merged |= json.loads((CHECKS_OUT / f"stock-{shard}.json").read_text())
@@ -1067,10 +1112,14 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         PYTHONPATH=pythonpath(TREE, ROOT),
         STOCK_MATRIX=str(oracle),
         STOCK_FAULTS=str(faults),
+        PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
         STOCK_TREE=str(stock),
     )
     res = run_pytest(suite.name, ["checks"], None, suite.workers, log, cenv, cwd=ROOT)
-    cases = f"{len(merged)} stock cases, {len(json.loads(faults.read_text()))} faults"
+    cases = (
+        f"{len(merged)} stock cases, {len(json.loads(faults.read_text()))} faults "
+        f"(also on {len(prefixes)} prefixes)"
+    )
     res.note = f"{cases}; " + res.note.replace("1 file", "checks/")
     return res
 
