@@ -33,11 +33,14 @@ import os
 import random
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The request of ``run_killed``.
+KILLED_REQ = "req-killed"
 
 # The CUDA attention backends of the MLA families here (FlashMLA's sparse MLA
 # backend and the DSA indexer's for DeepSeek-V3.2-architecture models, the
@@ -433,6 +436,57 @@ class _Side:
             "outside_clean": not any(bool(raw.any()) for raw in self.device_raws),
         }
 
+    def post(self, local: list[list[int]], remote: list[list[int]]) -> dict:
+        """Submit a request as ``start_load_kv`` does; return once posted."""
+        from checks.real_nixl import request_meta
+
+        self.posted = local
+        meta = request_meta(
+            "prefill",
+            KILLED_REQ,
+            local,
+            remote,
+            num_tokens=len(local[0]) * self.peer_block_size,
+        )
+        self.worker._recving_metadata[KILLED_REQ] = meta
+        self.worker._read_blocks_for_req(KILLED_REQ, meta)
+        return {"reads": len(self.worker._recving_transfers.get(KILLED_REQ, []))}
+
+    def poll(self, want: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """Poll as the engine does until the request is reported; then the
+        pages against the prefiller's ``digests`` and the rest of D."""
+        import torch
+
+        from checks.pairing_matrix import _padded_pages
+
+        start, finished, failed = time.monotonic(), False, False
+        while time.monotonic() - start < timeout_s:
+            results = self.worker.get_transfer_results()
+            if KILLED_REQ in results.finished_recving:
+                finished = True
+                failed = KILLED_REQ in results.failed_recving
+                break
+            time.sleep(0.001)
+        invalid = sorted(self.worker.get_block_ids_with_load_errors())
+        got = self.digests(self.posted)
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        for name in got:
+            view = self.layout.kv_caches[name]
+            spec = self.worker._layer_specs.get(name)
+            size = getattr(spec, "page_size_bytes", None)
+            blocks = torch.tensor(self.posted[groups[name]])
+            _padded_pages(view, size, self.device_raws)[blocks] = 0
+        return {
+            "finished": finished,
+            "failed": failed,
+            "seconds": time.monotonic() - start,
+            "invalid_blocks": invalid,
+            "request_blocks": sorted(set(self.posted[0])),
+            "groups": len(self.worker.kv_cache_config.kv_cache_groups),
+            "wrong_layers": sum(got[name] != want.get(name) for name in got),
+            "outside_clean": not any(bool(raw.any()) for raw in self.device_raws),
+        }
+
 
 def _page_bytes(view, block: int) -> bytes:
     import torch
@@ -494,6 +548,10 @@ def _child() -> int:
                 answer = sides[engine_id].handshake(cmd["peer"]) or {"accepted": True}
             elif op == "digests":
                 answer = {"digests": sides[engine_id].digests(cmd["blocks"])}
+            elif op == "post":
+                answer = sides[engine_id].post(cmd["local"], cmd["remote"])
+            elif op == "poll":
+                answer = sides[engine_id].poll(cmd["want"], cmd["timeout_s"])
             elif op == "read_lists":
                 side = sides[engine_id]
                 answer = side.read_lists(cmd["local"], cmd["remote"], cmd["want"])
@@ -590,6 +648,39 @@ class Processes:
         for proc in self.procs.values():
             proc.close()
         self.procs.clear()
+
+
+def run_killed(tree: Path, before_post: bool, blocks: int = 1024) -> dict[str, Any]:
+    """The prefiller's process killed before the decoder's READ, or during it.
+
+    P and D (GLM-5.3 + MTP as ``tree`` resolves it, 4 layers) run in two
+    processes of ``tree``; D reads ``blocks`` blocks (~60 MB) from P. P gets
+    SIGKILL after the handshake, before D posts (``before_post``), or as
+    soon as D has posted: racy by nature, the READ may finish first (on
+    host DRAM UCX moves the bytes while it posts). Returns what D reported
+    (``_Side.poll``).
+    """
+    geometry = {"num_blocks": blocks + 16}
+    config = asdict(Config("fork", "glm53-mtp"))
+    p, d = _Process(tree), _Process(tree)
+    try:
+        peer = p.ask(op="build", config=config, engine_id="prefill", geometry=geometry)
+        d.ask(op="build", config=config, engine_id="decode", geometry=geometry)
+        refused = d.ask(op="handshake", peer=peer, engine_id="decode")
+        if not refused.get("accepted"):
+            return {"error": refused}
+        ids = [list(range(1, blocks + 1))] * peer["groups"]
+        want = p.ask(op="digests", blocks=ids, engine_id="prefill")["digests"]
+        if before_post:
+            p.proc.kill()
+            p.proc.wait()
+        posted = d.ask(op="post", local=ids, remote=ids, engine_id="decode")
+        p.proc.kill()
+        p.proc.wait()
+        return posted | d.ask(op="poll", want=want, timeout_s=60, engine_id="decode")
+    finally:
+        d.close()
+        p.close()
 
 
 def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:

@@ -18,7 +18,13 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from checks.cross_tree import CROSS_CASES, ROOT, Pair, run_pairs  # noqa: E402
+from checks.cross_tree import (  # noqa: E402
+    CROSS_CASES,
+    ROOT,
+    Pair,
+    run_killed,
+    run_pairs,
+)
 from checks.real_nixl import probe_real_nixl  # noqa: E402
 
 OUT = ROOT / "build" / "checks" / "cross_tree.json"
@@ -71,3 +77,28 @@ def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
     assert got.get("run_wrong_pages") == want.get("run_wrong_pages") in (0, None)
     if got.get("run_descriptors") is not None:
         assert got["run_descriptors"] <= 8 * want["run_descriptors"], (got, want)
+
+
+@pytest.mark.parametrize("before_post", [True, False], ids=["before-post", "mid-read"])
+def test_killed_prefiller_is_reported(before_post: bool):
+    """The prefiller's process dies before the decoder posts, or right after.
+
+    ``cross_tree.run_killed``. Killed before the post, the READ cannot be
+    posted; killed right after, it may still finish first (racy by nature).
+    Either way the decoder reports the request within a minute, on its
+    channel when the READ failed (its blocks: one KV cache group), with
+    every page right when it did not, and no other byte written.
+    """
+    reason = probe_real_nixl()
+    if reason is not None:
+        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
+    got = run_killed(ROOT / "build" / "vllm", before_post=before_post)
+    assert "error" not in got, got
+    assert got["finished"], f"never reported after the prefiller died: {got}"
+    assert got["outside_clean"], got
+    if got["failed"]:
+        assert got["invalid_blocks"] == got["request_blocks"], got
+    else:
+        assert got["wrong_layers"] == 0, got
+    if before_post:
+        assert got["failed"] and got["reads"] == 0, got
