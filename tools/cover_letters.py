@@ -300,6 +300,55 @@ def render_staging_startup(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
+def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/bench/posting_cost.py --json: the worker's CPU per READ."""
+    labels = list(data["trees"])
+    head = ["layout", "blocks", "regions"] + [
+        f"{label}: {col}"
+        for label in labels
+        for col in ("post CPU ms", "bare CPU ms", "vLLM CPU ms")
+    ]
+    rows = []
+    for per in data["rows"].values():
+        first = per[labels[0]]
+        cells = [first["layout"], f"{first['blocks']:,}", first["regions"]]
+        for label in labels:
+            r = per[label]
+            cells += [
+                f"{r['post_cpu_ms']:.3f}",
+                f"{r['bare_cpu_ms']:.3f}",
+                f"{r['vllm_cpu_ms']:.3f}",
+            ]
+        rows.append(tuple(cells))
+    trees = ", ".join(f"{label} = {path}" for label, path in data["trees"].items())
+    return _table(tuple(head), rows) + [
+        "",
+        f"Trees: {trees}. Per READ, the calling thread's CPU time in "
+        "_read_blocks_for_req (post) and in a bare make_prepped_xfer + "
+        "transfer of the same ids on the same agent (bare; on host DRAM UCX "
+        "moves the bytes in the posting thread, so bare holds the copy); "
+        "vLLM = post - bare. Median over "
+        f"{data['rounds']} rounds (trees alternating, one process each) of "
+        f"the median of {data['reads']} READs. Real NIXL over UCX on host DRAM; "
+        f"SYNTHETIC: {data['synthetic']}.",
+    ]
+
+
+def render_faults(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/fault_lines.py --json: every fault case's outcome per tree."""
+    labels = list(data["trees"])
+    rows = [(row["case"], *(row[label] for label in labels)) for row in data["rows"]]
+    return _table(("P -> D: fault", *labels), rows) + [
+        "",
+        "Outcome of each case (checks/faults.py, real NIXL over UCX on host "
+        "DRAM, planner-built layouts): what the decoder did (read exactly; "
+        "failed, reporting its blocks or the request; refused the peer at the "
+        "handshake; or raised out of the read path), whether any byte outside "
+        "the request changed, and what vLLM's scheduler then did under "
+        'kv_load_failure_policy "fail" / "recompute".',
+    ]
+
+
 SOURCES: dict[str, Source] = {
     "cross-tree": Source(
         ROOT / "build" / "checks" / "cross_tree.json",
@@ -331,6 +380,14 @@ SOURCES: dict[str, Source] = {
         render_allocator_step,
     ),
     "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
+    "faults": Source(BENCH / "faults.json", "bash tools/main.sh", render_faults),
+    "posting-cost": Source(
+        BENCH / "posting_cost.json",
+        ".venv/bin/python tools/bench/posting_cost.py --tree "
+        "before=build/prefixes/0009-nixl-mla-block-outermost-layout "
+        "--tree after=build/vllm --json build/bench/posting_cost.json",
+        render_posting_cost,
+    ),
     "staging-startup": Source(
         BENCH / "staging_startup.json",
         ".venv/bin/python tools/bench/staging_startup.py "
