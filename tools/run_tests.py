@@ -183,6 +183,13 @@ CHECKS_OUT = ROOT / "build" / "checks"
 # One deliberate break per exported test file: (test file under tests/, file
 # of the fork, text to replace, replacement). The test file must fail on it.
 MUTATIONS: list[tuple[str, str, str, str]] = [
+    # Descriptor ids back to int64 (NIXL converts them on every READ).
+    (
+        "v1/kv_connector/unit/test_nixl_desc_ids.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "np.cumsum([0, *region_num_blocks[:-1]], dtype=np.int32)",
+        "np.cumsum([0, *region_num_blocks[:-1]])",
+    ),
     # A peer page read at the row's start instead of its layer's offset.
     (
         "v1/kv_connector/unit/test_nixl_row_pages.py",
