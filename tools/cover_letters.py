@@ -80,7 +80,9 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
 
     body = []
     for row in rows:
-        label = f"{row['prefill']} -> {row['decode']}"
+        label = f"{row['prefill']} -> {row['decode']}".replace(
+            "@permuted", " (pages permuted)"
+        )
         if row.get("synthetic"):
             label += " (SYNTHETIC)"
         body.append((label, side(row["stock"]), side(row["series"])))

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# A layout name with this suffix is built with its pages in another order
+# (``build_zoo_layout(permute_seed=1)``).
+PERMUTED = "@permuted"
 
 PAIRS = [
     ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
@@ -45,13 +48,23 @@ PAIRS = [
     ("dsv32+host-staging/LBNHC", "dsv32+host-staging/LBNHC"),
     ("glm53-mtp+host-staging/LBNHC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
+    # The same decoder from a prefiller whose row holds its pages in another
+    # order (a pair stock serves): what a decoder can read as one depends on
+    # the peer, so it is planned at the handshake, not at registration.
+    ("glm53/BLHNC" + PERMUTED, "hisparse-glm53/BLHNC"),
     ("synthetic/glm-draft-storage", "synthetic/glm-draft-storage"),
 ]
 
 
 def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> Any:
     """A recorded-NIXL worker of this process's tree."""
-    layout = zoo.build_zoo_layout(name, num_blocks=16, num_layers=layers)
+    base, _, tag = name.partition("@")
+    layout = zoo.build_zoo_layout(
+        base,
+        num_blocks=16,
+        num_layers=layers,
+        permute_seed=1 if f"@{tag}" == PERMUTED else None,
+    )
     worker = zoo.make_zoo_worker(
         layout, engine_id=engine_id, coalesce=series, real_nixl=False
     )
@@ -168,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| --- | --- | --- |")
     for row in rows:
-        label = f"{row['prefill']} -> {row['decode']}"
+        label = f"{row['prefill']} -> {row['decode']}".replace(
+            PERMUTED, " (pages permuted)"
+        )
         if row["stock"]["synthetic"]:
             label += " (SYNTHETIC)"
         print(f"| {label} | {cell(row['stock'])} | {cell(row['series'])} |")
