@@ -50,6 +50,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from fork import BASE_TAG, ROOT, TREE, load_manifest
 from fork import CACHE_DIR as CACHE
@@ -1072,6 +1073,15 @@ def fault_prefix_worktrees() -> dict[str, Path]:
     return trees
 
 
+def _spawn_logged(cmd: list[str], env: dict[str, str], out: TextIO) -> subprocess.Popen:
+    """Start ``cmd`` from the repository, its command line and output in ``out``."""
+    out.write(f"$ PYTHONPATH={env['PYTHONPATH']} {' '.join(cmd)}\n")
+    out.flush()
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
 def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """The stock oracles on build/stock (three processes at once), then checks/."""
     stock = stock_worktree()
@@ -1091,10 +1101,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
              "--json", str(CHECKS_OUT / f"stock-{shard}.json")]
             for shard in range(2)
         ] + [[PYTHON, "-m", "checks.faults", "--json", str(faults)]]:  # fmt: skip
-            out.write(f"$ PYTHONPATH={senv['PYTHONPATH']} {' '.join(cmd)}\n")
-            out.flush()
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=senv, stdout=out,
-                                          stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(_spawn_logged(cmd, senv, out))
     if any(proc.wait() != 0 for proc in procs):
         return Result(suite.name, failed=1, note="stock oracle failed (see log)")
     with open(log, "a", encoding="utf-8") as out:
@@ -1103,10 +1110,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         for name, tree in prefixes.items():
             penv = dict(env, PYTHONPATH=pythonpath(tree, ROOT))
             cmd = [PYTHON, "-m", "checks.faults", "--json", str(prefix_faults[name])]
-            out.write(f"$ PYTHONPATH={penv['PYTHONPATH']} {' '.join(cmd)}\n")
-            out.flush()
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=out,
-                                          stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(_spawn_logged(cmd, penv, out))
     if any(proc.wait() != 0 for proc in procs):
         return Result(suite.name, failed=1, note="prefix fault runs failed (see log)")
     merged: dict[str, object] = {}

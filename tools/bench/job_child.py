@@ -396,6 +396,8 @@ class Child:
         ``make_prepped_xfer`` + ``transfer`` alone, on the decoder's agent and
         prepared lists, with a notification as the worker's (the same bytes
         land again)."""
+        from job_nixl import wait_released
+
         assert self.decode is not None
         nixl = self.decode.worker.nixl_wrapper
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -407,13 +409,7 @@ class Child:
             nixl.transfer(handle)
         ms = (time.perf_counter() - start) * 1e3
         cpu_ms = (time.thread_time() - start_cpu) * 1e3
-        for handle in handles:
-            state = nixl.check_xfer_state(handle)
-            while state == "PROC":
-                state = nixl.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"bare re-post ended in state {state!r}")
-            nixl.release_xfer_handle(handle)
+        wait_released(nixl, handles)
         return ms, cpu_ms
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:

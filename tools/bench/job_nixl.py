@@ -216,6 +216,18 @@ class Copier:
             memset(x, 0, k)
 
 
+def wait_released(nixl: Any, handles: Sequence[Any]) -> None:
+    """Poll each READ (yielding between polls) until DONE, then release it."""
+    for handle in handles:
+        state = nixl.check_xfer_state(handle)
+        while state == "PROC":
+            os.sched_yield()
+            state = nixl.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"READ ended in state {state!r}")
+        nixl.release_xfer_handle(handle)
+
+
 def _agent_config() -> Any:
     from nixl._api import nixl_agent_config
 

@@ -62,6 +62,8 @@ def _lists(size: int, seed: int) -> tuple[list[int], list[int]]:
 
 def child(reads: int, warmup: int) -> dict[str, Any]:
     """Runs in a tree's process: the per-READ CPU figures of this tree."""
+    from job_nixl import wait_released  # tools/bench, this file's directory
+
     from checks.layout_zoo import build_zoo_layout, make_zoo_worker
     from checks.real_nixl import connect, request_meta
 
@@ -107,14 +109,14 @@ def child(reads: int, warmup: int) -> dict[str, Any]:
                 nixl.make_prepped_xfer = make
                 handles = decode._recving_transfers.pop(req_id, [])
                 assert handles and req_id not in decode._recv_failures, req_id
-                _wait(nixl, handles)
+                wait_released(nixl, handles)
                 # The same ids on the same lists, posted bare.
                 start = time.thread_time()
                 again = [make(*args, **kwargs) for args, kwargs in made]
                 for handle in again:
                     nixl.transfer(handle)
                 bare_cpu = time.thread_time() - start
-                _wait(nixl, again)
+                wait_released(nixl, again)
                 if index >= warmup:
                     post.append(cpu * 1e3)
                     bare.append(bare_cpu * 1e3)
@@ -130,17 +132,6 @@ def child(reads: int, warmup: int) -> dict[str, Any]:
         for worker in (decode, prefill):
             worker.shutdown()
     return out
-
-
-def _wait(nixl: Any, handles: list[Any]) -> None:
-    for handle in handles:
-        state = nixl.check_xfer_state(handle)
-        while state == "PROC":
-            os.sched_yield()
-            state = nixl.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"READ ended in state {state!r}")
-        nixl.release_xfer_handle(handle)
 
 
 def _run_tree(tree: Path, reads: int, warmup: int) -> dict[str, Any]:
