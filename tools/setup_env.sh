@@ -51,6 +51,10 @@ TEST_PKGS=(
   pybase64 cachetools cloudpickle msgspec uvloop py-cpuinfo prometheus_client
   fastapi partial-json-parser llguidance einops ray apache-tvm-ffi pydantic
   matplotlib tqdm regex pyyaml
+  # The end-to-end engines (checks/e2e): what the engine imports on top, and
+  # what tools/cpu_ext.py builds the CPU extension with (the release's
+  # requirements/build/cpu.txt range).
+  compressed-tensors loguru "cmake>=3.26.1,<4" ninja
   ruff==0.14.0 mypy==1.20.2 typos types-cachetools types-setuptools
   types-PyYAML types-requests
 )
