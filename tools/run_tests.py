@@ -16,6 +16,9 @@ Run it with the project venv's python after `tools/fork.py build` (that is what
 * ``mutations``: each exported test file must fail on a fork with one
   deliberate break (``MUTATIONS``).
 * ``lint:project``: ruff over the project's own Python (``tools/ruff.toml``).
+* ``e2e``: real vLLM engines, prefill + decode over NIXL on CPU, stock and
+  series trees (``checks/e2e``), with the CPU extension ``tools/cpu_ext.py``
+  builds once and caches.
 
 Counts come from ``--junitxml``; pytest exit 5 (nothing collected) is 0 tests,
 not a failure, and is noted in the table. Logs and junit files go to
@@ -161,6 +164,7 @@ SUITES: list[Suite] = [
     Suite("bisect", "bisect"),
     Suite("checks", "checks", workers=2),
     Suite("mutations", "mutations"),
+    Suite("e2e", "e2e"),
 ]  # fmt: skip
 
 # The series' CPU job in the fork's Buildkite config (it also runs upstream's
@@ -1126,12 +1130,32 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
         STOCK_TREE=str(stock),
     )
-    res = run_pytest(suite.name, ["checks"], None, suite.workers, log, cenv, cwd=ROOT)
+    res = run_pytest(
+        suite.name, ["checks", "--ignore=checks/e2e"], None, suite.workers, log,
+        cenv, cwd=ROOT,
+    )  # fmt: skip
     cases = (
         f"{len(merged)} stock cases, {len(json.loads(faults.read_text()))} faults "
         f"(also on {len(prefixes)} prefixes)"
     )
-    res.note = f"{cases}; " + res.note.replace("1 file", "checks/")
+    res.note = f"{cases}; " + res.note.replace("2 files", "checks/")
+    return res
+
+
+def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """Real engines (``checks/e2e``) on build/vllm and build/stock.
+
+    ``tools/cpu_ext.py install`` builds vLLM's CPU extension from the verified
+    sdist on first use (cached by its inputs) and links it into both trees.
+    """
+    stock = stock_worktree()
+    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE), str(stock)]
+    if run_logged(cmd, ROOT, log, env) != 0:
+        return Result(suite.name, failed=1, note="CPU extension build failed: "
+                      + tail(log, 3).replace("\n", " "))  # fmt: skip
+    cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
+    res = run_pytest(suite.name, ["checks/e2e"], None, 0, log, cenv, cwd=ROOT)
+    res.note = res.note.replace("1 file", "checks/e2e")
     return res
 
 
@@ -1207,6 +1231,8 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = run_checks(suite, log, env)
     elif suite.kind == "mutations":
         res = run_mutations(log, env)
+    elif suite.kind == "e2e":
+        res = run_e2e(suite, log, env)
     elif suite.kind == "buildkite":
         res = Result(suite.name)
         commands = cpu_job_commands()
