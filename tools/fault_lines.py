@@ -6,7 +6,7 @@ layouts, a fault injected at the decoder's NIXL boundary, in the peer's block
 ids or in its handshake metadata; then vLLM's own scheduler under both
 ``kv_load_failure_policy`` values) in a process of each tree: stock 0.33.0,
 the prefixes of the series that introduced a read path the cases take
-(``run_tests.FAULT_PREFIXES``), and the whole series, two at a time, with
+(``testrun.project_checks.FAULT_PREFIXES``), and the whole series, two at a time, with
 the test command's NIXL settings (``tools/test_site``). Prints
 one line per case with each tree's outcome and writes the JSON::
 
@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tools" / "bench")]
 
 from job_variants import discover, ensure_worktree  # noqa: E402
-from run_tests import FAULT_PREFIXES, pythonpath  # noqa: E402
+from testrun.common import pythonpath  # noqa: E402
+from testrun.project_checks import FAULT_PREFIXES  # noqa: E402
 
 
 def outcome(got: dict[str, Any]) -> str:

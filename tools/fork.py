@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from manifest import (  # tools/manifest.py; re-exported for run_tests.py
+from manifest import (  # tools/manifest.py; re-exported for tools/testrun/
     BASE_TAG,
     KINDS,
     MANIFEST,

@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The mutations suite: each exported test file must fail on a fork with one
+deliberate break (``MUTATIONS``), two breaks at a time in worktrees of their
+own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fork import ROOT
+
+from testrun.common import (
+    PYTHON,
+    Result,
+    add_worktree,
+    pythonpath,
+    remove_worktree,
+    run_logged,
+)
+
+# One deliberate break per exported test file: (test file under tests/, file
+# of the fork, text to replace, replacement). The test file must fail on it.
+MUTATIONS: list[tuple[str, str, str, str]] = [
+    # Descriptor ids back to int64 (NIXL converts them on every READ).
+    (
+        "v1/kv_connector/unit/test_nixl_desc_ids.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "np.cumsum([0, *region_num_blocks[:-1]], dtype=np.int32)",
+        "np.cumsum([0, *region_num_blocks[:-1]])",
+    ),
+    # A peer page read at the row's start instead of its layer's offset.
+    (
+        "v1/kv_connector/unit/test_nixl_row_pages.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/row_pages.py",
+        "base=row.base + member.offset,",
+        "base=row.base,",
+    ),
+    # A row shared by groups advertised whole (0.33.0 decoders refuse it).
+    (
+        "v1/kv_connector/unit/test_nixl_desc_geometry.py"
+        "::test_packed_mla_pp1_transfers_whole_rows",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "self._advertise_shared_row_pages(agent_metadata)",
+        "pass",
+    ),
+    # MultiConnector forwarding a preference a sub-connector did not state.
+    (
+        "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
+        "return layouts.pop() if len(layouts) == 1 else None",
+        "return next(iter(layouts - {None}), None)",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_host_staging_groups.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "for group, group_block_ids in zip(groups, block_ids):",
+        "for group, group_block_ids in zip(groups, [sum(block_ids, [])] * 9):",
+    ),
+    # #57661: a strided region that does not cover a view at its address.
+    (
+        "v1/kv_connector/unit/test_nixl_aliased_regions.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "length > region_len or stride != region_stride",
+        "False",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_read_checks.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/read_checks.py",
+        "if count < remote_groups or (same_groups and count != remote_groups):",
+        "if False:",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py",
+        'return "BLHNC"',
+        "return None",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_transfer_order.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py",
+        'order = np.argsort(local_array, kind="stable")',
+        "order = np.arange(len(local))",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNotifs"
+        "::test_push_write_posts_block_pairs_in_local_order",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_worker.py",
+        "local_block_ids, remote_block_ids = sort_block_pairs(",
+        "local_block_ids, remote_block_ids = (lambda a, b: (a, b))(",
+    ),
+    (
+        "v1/core/test_block_pool_allocation_order.py",
+        "vllm/v1/core/block_pool.py",
+        'ret.sort(key=attrgetter("block_id"))',
+        "pass",
+    ),
+    # The eviction-equivalence test: sorting before the popped blocks are
+    # evicted and notified changes the order of KV events and reuse calls.
+    (
+        "v1/core/test_block_pool_allocation_order.py"
+        "::test_sorted_pool_behaves_as_the_queue_pool",
+        "vllm/v1/core/block_pool.py",
+        "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n",
+        "ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)\n"
+        "        if self.sort_new_blocks:\n"
+        '            ret.sort(key=attrgetter("block_id"))\n',
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_host_staging.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/host_staging.py",
+        "if merged and start <= merged[-1][1]:",
+        "if merged and start < merged[-1][1]:",
+    ),
+    # Mirroring rows that several transfer groups share.
+    (
+        "v1/kv_connector/unit/test_nixl_host_staging.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "and len(groups) == 1\n",
+        "and groups\n",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
+        "if plan.changes_reads:",
+        "if False:",
+    ),
+    (
+        "v1/kv_connector/unit/test_nixl_region_coalescing.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
+        "elif last.remote_base + last.length != r.remote_base:",
+        "elif False:",
+    ),
+]
+
+
+def run_mutations(log: Path, env: dict[str, str]) -> Result:
+    """Each exported test file fails on a fork with its deliberate break.
+
+    Two breaks run at a time (one per core), each in a worktree of its own;
+    every pytest run writes its own log, appended to ``log`` in order.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    from queue import Queue
+
+    worktrees: Queue[Path] = Queue()
+    for i in range(2):
+        worktree = ROOT / "build" / f"mutant-{i}"
+        add_worktree(worktree, "HEAD")
+        worktrees.put(worktree)
+
+    def mutate(index: int) -> tuple[str, str | None]:
+        test, target, old, new = MUTATIONS[index]
+        worktree = worktrees.get()
+        part = log.with_suffix(f".{index}.log")
+        part.write_text(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
+        try:
+            path = worktree / target
+            text = path.read_text(encoding="utf-8")
+            if text.count(old) != 1:
+                return (
+                    part.read_text(),
+                    f"{Path(test).name}: mutation no longer applies",
+                )
+            path.write_text(text.replace(old, new), encoding="utf-8")
+            wenv = dict(env, PYTHONPATH=pythonpath(worktree))
+            rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                             "-x", test], worktree / "tests", part, wenv)  # fmt: skip
+            path.write_text(text, encoding="utf-8")
+            missed = None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
+            return part.read_text(), missed
+        finally:
+            part.unlink(missing_ok=True)
+            worktrees.put(worktree)
+
+    res = Result("mutations")
+    missed = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(mutate, range(len(MUTATIONS))))
+    finally:
+        for i in range(2):
+            remove_worktree(ROOT / "build" / f"mutant-{i}")
+    with open(log, "a", encoding="utf-8") as f:
+        for text, miss in outcomes:
+            f.write(text)
+            res.passed += miss is None
+            res.failed += miss is not None
+            missed += [miss] if miss else []
+    res.note = f"{res.passed} of {len(MUTATIONS)} breaks caught" + (
+        "; " + "; ".join(missed) if missed else ""
+    )
+    return res

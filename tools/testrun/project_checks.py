@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The checks and e2e suites: the project's own checks (``checks/``), held
+against stock 0.33.0 run as the oracle, and real engines (``checks/e2e``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import TextIO
+
+from fork import BASE_TAG, ROOT, TREE, load_manifest
+
+from testrun.common import (
+    PYTHON,
+    Result,
+    add_worktree,
+    git_lines,
+    git_ok,
+    pythonpath,
+    run_logged,
+    tail,
+)
+from testrun.pytest_runs import run_pytest
+from testrun.suites import Suite
+
+STOCK_TREE = ROOT / "build" / "stock"
+# The patches that introduced a read path the fault cases take (coalesced
+# reads: HiSparse; page reads: an LBNHC prefiller into rows; mirrored host
+# staging): the fault cases also run on their prefixes of the series.
+FAULT_PREFIXES = (
+    "nixl-coalesced-reads",
+    "nixl-row-page-reads",
+    "nixl-mirrored-host-staging",
+)
+FAULT_PREFIX_DIR = ROOT / "build" / "fault-prefixes"
+CHECKS_OUT = ROOT / "build" / "checks"
+
+
+def stock_worktree() -> Path:
+    """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
+    if (STOCK_TREE / ".git").exists() and git_ok(
+        "-C", str(STOCK_TREE), "diff", "--quiet", BASE_TAG
+    ):
+        return STOCK_TREE
+    add_worktree(STOCK_TREE, BASE_TAG)
+    return STOCK_TREE
+
+
+def fault_prefix_worktrees() -> dict[str, Path]:
+    """Worktrees of build/vllm at the last commit of each ``FAULT_PREFIXES``."""
+    names = [patch.name for patch in load_manifest().patches]
+    commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
+    trees = {}
+    for name in FAULT_PREFIXES:
+        commit = commits[names.index(name)]
+        path = FAULT_PREFIX_DIR / name
+        head = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if head != commit or not git_ok("-C", str(path), "diff", "--quiet", "HEAD"):
+            add_worktree(path, commit)
+        trees[name] = path
+    return trees
+
+
+def _spawn_logged(cmd: list[str], env: dict[str, str], out: TextIO) -> subprocess.Popen:
+    """Start ``cmd`` from the repository, its command line and output in ``out``."""
+    out.write(f"$ PYTHONPATH={env['PYTHONPATH']} {' '.join(cmd)}\n")
+    out.flush()
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """The stock oracles on build/stock (three processes at once), then checks/."""
+    stock = stock_worktree()
+    CHECKS_OUT.mkdir(parents=True, exist_ok=True)
+    senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
+    procs = []
+    faults = CHECKS_OUT / "stock_faults.json"
+    prefixes = fault_prefix_worktrees()
+    prefix_faults = {
+        name: CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes
+    }
+    with open(log, "a", encoding="utf-8") as out:
+        # The pairing matrix in two shards, and the fault cases.
+        for cmd in [
+            [PYTHON, "-m", "checks.pairing_matrix", "--oracle",
+             "--shard", f"{shard}/2",
+             "--json", str(CHECKS_OUT / f"stock-{shard}.json")]
+            for shard in range(2)
+        ] + [[PYTHON, "-m", "checks.faults", "--json", str(faults)]]:  # fmt: skip
+            procs.append(_spawn_logged(cmd, senv, out))
+    if any(proc.wait() != 0 for proc in procs):
+        return Result(suite.name, failed=1, note="stock oracle failed (see log)")
+    with open(log, "a", encoding="utf-8") as out:
+        # The fault cases on the prefixes that introduced a read path.
+        procs = []
+        for name, tree in prefixes.items():
+            penv = dict(env, PYTHONPATH=pythonpath(tree, ROOT))
+            cmd = [PYTHON, "-m", "checks.faults", "--json", str(prefix_faults[name])]
+            procs.append(_spawn_logged(cmd, penv, out))
+    if any(proc.wait() != 0 for proc in procs):
+        return Result(suite.name, failed=1, note="prefix fault runs failed (see log)")
+    merged: dict[str, object] = {}
+    for shard in range(2):
+        merged |= json.loads((CHECKS_OUT / f"stock-{shard}.json").read_text())
+    oracle = CHECKS_OUT / "stock_matrix.json"
+    oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
+    cenv = dict(
+        env,
+        PYTHONPATH=pythonpath(TREE, ROOT),
+        STOCK_MATRIX=str(oracle),
+        STOCK_FAULTS=str(faults),
+        PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
+        STOCK_TREE=str(stock),
+    )
+    res = run_pytest(
+        suite.name, ["checks", "--ignore=checks/e2e"], None, suite.workers, log,
+        cenv, cwd=ROOT,
+    )  # fmt: skip
+    cases = (
+        f"{len(merged)} stock cases, {len(json.loads(faults.read_text()))} faults "
+        f"(also on {len(prefixes)} prefixes)"
+    )
+    res.note = f"{cases}; " + res.note.replace("2 files", "checks/")
+    return res
+
+
+def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """Real engines (``checks/e2e``) on build/vllm and build/stock.
+
+    ``tools/cpu_ext.py install`` builds vLLM's CPU extension from the verified
+    sdist on first use (cached by its inputs) and links it into both trees.
+    """
+    stock = stock_worktree()
+    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE), str(stock)]
+    if run_logged(cmd, ROOT, log, env) != 0:
+        return Result(suite.name, failed=1, note="CPU extension build failed: "
+                      + tail(log, 3).replace("\n", " "))  # fmt: skip
+    cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
+    res = run_pytest(suite.name, ["checks/e2e"], None, 0, log, cenv, cwd=ROOT)
+    res.note = res.note.replace("1 file", "checks/e2e")
+    return res
