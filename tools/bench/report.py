@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from typing import Any
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "build/bench/nixl_descriptors.json"
 SCHEMA = 4
 SPREAD_BOUND = 0.10
+# A terminal's width: the terminal report's tables and lines fit it. A wider
+# table is split into column groups, each repeating the row's first columns.
+TERMINAL = 160
 
 
 def load(json_path: str | Path) -> dict[str, Any]:
@@ -102,10 +106,34 @@ def _scenario(s: dict[str, Any]) -> str:
     return f"{s['short']} {s['key']}" + (" SYNTHETIC" if s["synthetic_layout"] else "")
 
 
-def _rows(payload: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(scenario, row) in the scenarios' order."""
+def short_label(r: dict[str, Any]) -> str:
+    """A row's label without patch names: ``P+D: 0001-0010 series``."""
+    pairing = f"{r['pairing']}: " if r.get("pairing") else ""
+    variant = r["label"].removeprefix(pairing)
+    short = variant.split(" ")[0]
+    return pairing + short + (" series" if variant.endswith("(series)") else "")
+
+
+def _rows(
+    payload: dict[str, Any], short: bool = False
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(scenario, row) in the scenarios' order; ``short``: short labels."""
     by_key = {s["key"]: s for s in payload["scenarios"]}
-    return [(by_key[r["scenario"]], r) for r in payload["rows"]]
+    return [
+        (by_key[r["scenario"]], dict(r, label=short_label(r)) if short else r)
+        for r in payload["rows"]
+    ]
+
+
+def failure_notes(payload: dict[str, Any]) -> list[str]:
+    """Why a row has no figures: its message, out of the tables' cells."""
+    by_key = {s["key"]: s for s in payload["scenarios"]}
+    return [
+        f"{_scenario(by_key[r['scenario']])} {r['label']}: {r['status']}: "
+        f"{r.get('error', '')}"
+        for r in payload["rows"]
+        if r["status"] != "ok" and r.get("error")
+    ]
 
 
 DESC_HEAD = (
@@ -155,7 +183,8 @@ PROJ_HEAD = (
 
 
 def _failed(r: dict[str, Any], width: int) -> tuple[str, ...]:
-    return (f"{r['status']}: {r.get('error', '')}", *(["-"] * (width - 1)))
+    """A row without figures: its status; the message is a footnote."""
+    return (f"{r['status']} (see below)", *(["-"] * (width - 1)))
 
 
 def _desc_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
@@ -166,7 +195,7 @@ def _desc_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
             _side((r.get("registered") or {}).get("prefiller")),
             _side((r.get("registered") or {}).get("decoder")),
         )
-        return (*head, *cells, f"{r['status']}: {r.get('error', '')}", "-", "-")
+        return (*head, *cells, *_failed(r, 3))
     return (
         *head,
         _regions(r),
@@ -345,19 +374,41 @@ SPREAD_PAIRED_HEAD = (
 )
 
 
-def _fixed(rows: Sequence[Sequence[str]], left: set[int]) -> list[str]:
+def _fixed(rows: Sequence[Sequence[str]], left: set[int], keep: int = 2) -> list[str]:
+    """A fixed-width table; wider than ``TERMINAL``, several tables of column
+    groups, each repeating the first ``keep`` columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    groups: list[list[int]] = [[]]
+    used = sum(w + 2 for w in widths[:keep])
+    for i in range(keep, len(widths)):
+        if groups[-1] and used + widths[i] > TERMINAL:
+            groups.append([])
+            used = sum(w + 2 for w in widths[:keep])
+        groups[-1].append(i)
+        used += widths[i] + 2
     out = []
-    for n, row in enumerate(rows):
-        out.append(
-            "  ".join(
-                c.ljust(w) if i in left else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=False))
-            ).rstrip()
-        )
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
+    for g, group in enumerate(groups):
+        cols = [*range(min(keep, len(widths))), *group]
+        if g:
+            out.append("")
+        for n, row in enumerate(rows):
+            out.append(
+                "  ".join(
+                    row[i].ljust(widths[i]) if i in left else row[i].rjust(widths[i])
+                    for i in cols
+                ).rstrip()
+            )
+            if n == 0:
+                out.append("  ".join("-" * widths[i] for i in cols))
     return out
+
+
+def _wrap(line: str, width: int = TERMINAL) -> list[str]:
+    """One line of text wrapped at ``width``, continuation lines indented."""
+    indent = line[: len(line) - len(line.lstrip())]
+    return textwrap.wrap(
+        line, width, subsequent_indent=indent + "  ", break_on_hyphens=False
+    ) or [line]
 
 
 def _markdown(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -488,8 +539,9 @@ def upgrade_lines(payload: dict[str, Any], fmt: Any) -> list[str]:
     return lines + fmt([UPGRADE_HEAD, *(_upgrade_cells(r, rows) for r in rows)])
 
 
-def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
-    rows = _rows(payload)
+def _tables(payload: dict[str, Any], fmt: Any, short: bool = False) -> list[str]:
+    """Every table; ``short``: rows labelled without patch names (terminal)."""
+    rows = _rows(payload, short)
     proj = payload["projection"]
     lines = [
         "Descriptors (registered = regions x blocks per side; per READ: NIXL "
@@ -521,6 +573,14 @@ def _tables(payload: dict[str, Any], fmt: Any) -> list[str]:
     return lines
 
 
+def _failure_lines(payload: dict[str, Any], markdown: bool) -> list[str]:
+    notes = failure_notes(payload)
+    if not notes:
+        return []
+    head = "Rows without figures (`see below` in the tables):"
+    return ["", head, ""] + [f"- {n}" if markdown else f"  {n}" for n in notes]
+
+
 def render_text(payload: dict[str, Any], json_path: str | Path | None = None) -> str:
     """The main job's report for a terminal (fixed-width tables)."""
     lines = [
@@ -532,7 +592,14 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
         "",
     ]
     lines += _legend(payload) + [""]
-    lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}))
+    lines += [
+        "Rows are labelled stock or by the prefix of the series they run "
+        "(0001-0003: patches 0001 to 0003); the patch names are in the legend "
+        "above.",
+        "",
+    ]
+    lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}), short=True)
+    lines += _failure_lines(payload, markdown=False)
     lines += ["", *_proj_notes(payload)]
     lines += [f"{name}: {text}" for name, text in payload["definitions"].items()]
     notes = _notes(payload)
@@ -547,7 +614,7 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
             )
         )
     lines.append(_source(payload, json_path))
-    return "\n".join(lines)
+    return "\n".join(w for line in lines for w in _wrap(line))
 
 
 def render_tables(payload: dict[str, Any]) -> list[str]:
@@ -557,6 +624,7 @@ def render_tables(payload: dict[str, Any]) -> list[str]:
     line (``tools/cover_letters.py``'s ``SOURCES``).
     """
     lines = _tables(payload, _markdown)
+    lines += _failure_lines(payload, markdown=True)
     lines.append("")
     lines += [
         f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
