@@ -13,8 +13,10 @@ command makes it, and the export names it.
 table would be a placeholder, unless ``--draft``), then
 :func:`write_cover_letters`; ``python3 tools/cover_letters.py main-job`` prints
 one table the same way, ``python3 tools/cover_letters.py readme`` re-renders
-the README's tables. Stdlib only; imports ``tools/manifest.py`` and
-``tools/bench/report.py``, never ``tools/fork.py``.
+the tables of README.md and of the project's pages (``project-docs/*.md``).
+Text lines are wrapped at ``WRAP`` columns; no table row is longer than
+``MAX_LINE`` (a long message is a footnote, not a cell). Stdlib only; imports
+``tools/manifest.py`` and ``tools/bench/report.py``, never ``tools/fork.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,62 @@ DIRECTIVE = re.compile(
     r"^<!-- table: (?P<name>[a-z0-9-]+)(:(?P<arg>[a-z0-9,-]+))? -->$"
 )
 LINES = "<!-- lines -->"
+# The pages whose tables ``readme`` fills: the landing page and the project's
+# own pages (not upstream's docs/: the series keeps upstream paths at the root).
+PROJECT_DOCS = ROOT / "project-docs"
+WRAP = 100  # text lines of rendered tables' notes
+MAX_LINE = 300  # no line of a page is longer, outside code blocks
+# A word that would start a Markdown block if a wrapped line began with it.
+BLOCK_START = re.compile(r"^([-+*>#|=]|\d+[.)]|```)")
+LIST_ITEM = re.compile(r"^([-*+] |\d+\. )")
+
+
+def pages() -> list[Path]:
+    """README.md, then project-docs/*.md."""
+    return [ROOT / "README.md", *sorted(PROJECT_DOCS.glob("*.md"))]
+
+
+def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
+    """Wrap text lines (not table rows, not code) at ``width``.
+
+    A list item's continuation lines are indented under its text; a line
+    never starts with a word that would open a Markdown block.
+    """
+    out: list[str] = []
+    fence = False
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith("```"):
+            fence = not fence
+        if fence or len(line) <= width or stripped.startswith(("|", "```")):
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(stripped)]
+        item = LIST_ITEM.match(stripped)
+        first = indent + (item.group(0) if item else "")
+        rest = " " * len(first)
+        current = first
+        for word in stripped[len(item.group(0)) if item else 0 :].split():
+            bare = current in (first, rest)
+            too_long = len(current) + 1 + len(word) > width
+            if not bare and too_long and not BLOCK_START.match(word):
+                out.append(current)
+                current = rest + word
+                continue
+            current += word if bare else " " + word
+        out.append(current)
+    return out
+
+
+def long_lines(text: str, limit: int = MAX_LINE) -> list[int]:
+    """Numbers of the lines longer than ``limit``, outside code blocks."""
+    found, fence = [], False
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and len(line) > limit:
+            found.append(n)
+    return found
 
 
 @dataclass(frozen=True)
@@ -128,6 +186,63 @@ def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
         )
     return [data["setup"], "", data["rig"], "", data["verification"]["text"], "",
             *report.render_tables(data)]  # fmt: skip
+
+
+def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/bench/nixl_main_job.py: per scenario, stock next to the series."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import report  # tools/bench/report.py
+
+    if data.get("schema") != report.SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+    scenarios = {s["key"]: s for s in data["scenarios"]}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["scenario"], row["pairing"]), []).append(row)
+
+    def side(row: dict[str, Any]) -> list[str]:
+        layout = row["switches"]["layout"] or "-"
+        if row["status"] != "ok":
+            return [layout, report._regions(row), f"{row['status']} (see below)"]
+        descs = report._trio(row["descs_per_read"], keys=("p50", "p95"))
+        return [layout, report._regions(row), descs]
+
+    body, failed = [], []
+    for (key, pairing), rows in groups.items():
+        stock = next((r for r in rows if r["variant"] == "stock"), None)
+        series = rows[-1]
+        if stock is None or series is stock:
+            continue
+        s = scenarios[key]
+        model = f"{s['short']} {s['label']}"
+        if s["synthetic_layout"] and "SYNTHETIC" not in model:
+            model += " (SYNTHETIC)"
+        model += f", {pairing}" if pairing else ""
+        ratio = (series.get("vs_stock") or {}).get("descs_p50")
+        ratio_cell = report._ratio(ratio, 3) if series["status"] == "ok" else "-"
+        body.append((model, *side(stock), *side(series), ratio_cell))
+        failed += [r for r in (stock, series) if r["status"] != "ok"]
+    header = ("model (scenario)", "stock: layout", "stock: regions P / D",
+              "stock: descs/READ p50 / p95", "series: layout",
+              "series: regions P / D", "series: descs/READ p50 / p95",
+              "descs p50: series / stock")  # fmt: skip
+    notes = [
+        f"- {scenarios[r['scenario']]['short']} {r['label']}: {r['status']}: "
+        f"{r.get('error', '')}"
+        for r in failed
+    ]
+    return [
+        *_table(header, body),
+        "",
+        *([*notes, ""] if notes else []),
+        "Stock is vLLM 0.33.0, series the whole series, each in its own tree and "
+        "process with the layout it resolves; regions P / D: what each side "
+        "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
+        "NIXL telemetry descCount per request's READ, over the job's replayed "
+        "block lists (n/a: stock has no figure to compare with).",
+    ]
 
 
 def render_rolling_upgrade(data: dict[str, Any], _: str | None) -> list[str]:
@@ -336,11 +451,34 @@ def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
+def outcome_codes(texts: Sequence[str]) -> dict[str, str]:
+    """A short code per distinct outcome, by kind: R read, F failed (reported),
+    H refused at the handshake, X raised out of the read path; numbered."""
+    kinds = (("read", "R"), ("failed", "F"), ("refused", "H"), ("RAISES", "X"))
+    codes: dict[str, str] = {}
+    for text in texts:
+        if text not in codes:
+            kind = next((k for word, k in kinds if text.startswith(word)), "?")
+            number = sum(code[0] == kind for code in codes.values()) + 1
+            codes[text] = f"{kind}{number}"
+    return codes
+
+
 def render_faults(data: dict[str, Any], _: str | None) -> list[str]:
-    """tools/fault_lines.py --json: every fault case's outcome per tree."""
+    """tools/fault_lines.py --json: every fault case's outcome per tree.
+
+    A cell is a short code; the codes' outcomes follow the table (the JSON
+    keeps every outcome in full).
+    """
     labels = list(data["trees"])
-    rows = [(row["case"], *(row[label] for label in labels)) for row in data["rows"]]
+    codes = outcome_codes([row[label] for row in data["rows"] for label in labels])
+    rows = [
+        (row["case"], *(codes[row[label]] for label in labels)) for row in data["rows"]
+    ]
+    legend = sorted(codes.items(), key=lambda item: (item[1][0], int(item[1][1:])))
     return _table(("P -> D: fault", *labels), rows) + [
+        "",
+        *(f"- `{code}`: {text}" for text, code in legend),
         "",
         "Outcome of each case (checks/faults.py, real NIXL over UCX on host "
         "DRAM, planner-built layouts): what the decoder did (read exactly; "
@@ -362,6 +500,9 @@ SOURCES: dict[str, Source] = {
     ),
     "main-job": Source(
         BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_main_job
+    ),
+    "headline": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_headline
     ),
     "rolling-upgrade": Source(
         BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_rolling_upgrade
@@ -451,7 +592,7 @@ def render_table(
         ]
     else:
         lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
-    return lines, None
+    return wrap_markdown(lines), None
 
 
 def render_lines(name: str) -> list[str]:
@@ -536,10 +677,24 @@ def write_cover_letters(
 END_TABLE = "<!-- end table -->"
 
 
+def fill_pages(only: Sequence[str] | None = None) -> list[str]:
+    """Re-render the table blocks of every page (``pages()``) in place.
+
+    Returns the commands of missing sources, and says which lines are longer
+    than ``MAX_LINE``.
+    """
+    missing: list[str] = []
+    for path in pages():
+        missing += [c for c in fill_readme(path, only) if c not in missing]
+        for n in long_lines(path.read_text(encoding="utf-8")):
+            print(f"cover_letters: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
+    return missing
+
+
 def fill_readme(
     path: Path = ROOT / "README.md", only: Sequence[str] | None = None
 ) -> list[str]:
-    """Re-render the table blocks of the README in place (all, or ``only``).
+    """Re-render the table blocks of one page in place (all, or ``only``).
 
     A block starts with a table directive and ends with ``<!-- end table -->``;
     what lies between is replaced. Returns the commands of missing sources.
@@ -566,15 +721,15 @@ def fill_readme(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``cover_letters.py TABLE[:ARG]...`` prints tables as the cover letters
-    have them; ``cover_letters.py readme [TABLE...]`` re-renders README.md's
-    tables (all, or the named ones)."""
+    have them; ``cover_letters.py readme [TABLE...]`` re-renders the tables of
+    README.md and project-docs/*.md (all, or the named ones)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("tables", nargs="+", help=f"readme, or {sorted(SOURCES)}")
     args = parser.parse_args(argv)
     if args.tables[0] == "readme":
-        missing = fill_readme(only=args.tables[1:] or None)
+        missing = fill_pages(only=args.tables[1:] or None)
         for command in missing:
             print(f"cover_letters: missing: run `{command}`")
         return 1 if missing else 0

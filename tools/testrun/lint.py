@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cover_letters import MAX_LINE, long_lines, pages
 from fork import BASE_TAG, ROOT, TREE
 from fork import CACHE_DIR as CACHE
 
@@ -217,8 +218,22 @@ FINDING = re.compile(r"^(\S+?:\d+(:\d+)?[: ]|Would reformat: |\S+: missing SPDX)
 
 
 def project_markdown() -> list[Path]:
-    """README.md and series/covers/*.md of this repository."""
-    return [ROOT / "README.md", *sorted((ROOT / "series" / "covers").glob("*.md"))]
+    """README.md, project-docs/*.md and series/covers/*.md of this repository."""
+    return [*pages(), *sorted((ROOT / "series" / "covers").glob("*.md"))]
+
+
+def long_page_lines(log: Path) -> bool:
+    """No line of README.md or project-docs/*.md over ``MAX_LINE`` characters
+    outside code blocks; each one found is logged as a finding."""
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: line over {MAX_LINE} characters"
+        for path in pages()
+        for n in long_lines(path.read_text(encoding="utf-8"))
+    ]
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ page lines <= {MAX_LINE} characters\n")
+        f.writelines(line + "\n" for line in found)
+    return not found
 
 
 def count_findings(text: str) -> int:
@@ -288,7 +303,8 @@ PROJECT_PY = ("tools", "checks")
 
 
 def run_lint_project(log: Path, env: dict[str, str]) -> Result:
-    """ruff check and format over the project's own Python files."""
+    """ruff check and format over the project's own Python files, and the
+    length of the project pages' lines."""
     files = sorted(
         str(f.relative_to(ROOT)) for d in PROJECT_PY for f in (ROOT / d).rglob("*.py")
     )
@@ -296,6 +312,7 @@ def run_lint_project(log: Path, env: dict[str, str]) -> Result:
     ok = True
     for cmd in (["ruff", "check", *config], ["ruff", "format", "--check", *config]):
         ok &= run_logged([*cmd, *files], ROOT, log, env) == 0
+    ok &= long_page_lines(log)
     findings = count_findings(log.read_text(encoding="utf-8"))
     return Result(
         "lint:project",
