@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The end-to-end results (``checks/e2e/driver.py --json``) as Markdown tables.
+
+Pure: reads the JSON, imports nothing of vLLM. ``tools/main.sh`` prints it;
+``tools/cover_letters.py`` renders it into the project's pages.
+
+    python -m checks.e2e.report build/bench/e2e.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def pairing_rows(data: dict[str, Any]) -> list[str]:
+    """Per model and pairing: tokens, READs, descriptors per READ, bytes."""
+    rows = []
+    for model in data["models"]:
+        for pairing in model["pairings"]:
+            prompts = pairing["prompts"].values()
+            s = pairing["summary"]
+            rows.append([
+                model["model"],
+                f"{pairing['prefill']} -> {pairing['decode']}",
+                f"{sum(p['equal'] for p in prompts)} / {len(prompts)}",
+                s["reads"],
+                f"{_num(s['descriptors_p50'])} / {_num(s['descriptors_max'])}",
+                _num(s["descriptors_total"]),
+                f"{s['bytes'] / 2**20:.2f}",
+            ])  # fmt: skip
+    return _table(
+        ["model", "P -> D", "tokens = oracle", "READs",
+         "descriptors per READ p50 / max", "descriptors", "MiB read"],
+        rows,
+    )  # fmt: skip
+
+
+def model_rows(data: dict[str, Any]) -> list[str]:
+    """Per model: backend, oracle, probe, negative control, engine starts."""
+    rows = []
+    for model in data["models"]:
+        starts = [v for k, v in model["start_seconds"].items() if k != "single"]
+        control = model["negative_control"]
+        rows.append([
+            model["model"],
+            model["backend"],
+            "single engine" if model["oracle"] == "single" else "stock P + stock D",
+            f"{model['probe']['max_logprob_diff']:.2g}",
+            "tokens differ" if control["differs"] else "SAME TOKENS",
+            f"{statistics.median(starts):.0f} / {max(starts):.0f}",
+        ])  # fmt: skip
+    return _table(
+        ["model", "backend", "oracle", "prefill vs decode path (nats)",
+         "negative control", "engine start s (median / max)"],
+        rows,
+    )  # fmt: skip
+
+
+def fault_rows(data: dict[str, Any]) -> list[str]:
+    """Per fault case: what the client got under each policy."""
+
+    def outcome(case: dict[str, Any]) -> str:
+        if case["outcome"] != "returned":
+            return "HANG/ERROR"
+        if case["finish_reason"] == "error":
+            return f"error ({case['seconds']:.0f} s)"
+        return ("oracle tokens" if case["oracle_equal"] else "OTHER TOKENS") + (
+            f" ({case['seconds']:.0f} s)"
+        )
+
+    cells: dict[tuple[str, str, str], dict[str, str]] = {}
+    for case in data["faults"]:
+        key = (case["model"], case["tree"], case["case"])
+        cells.setdefault(key, {})[case["policy"]] = outcome(case)
+    rows = [
+        [*key, by.get("fail", "-"), by.get("recompute", "-")]
+        for key, by in cells.items()
+    ]
+    return _table(
+        ["model", "tree", "prefill engine", "policy fail", "policy recompute"], rows
+    )
+
+
+def notes(data: dict[str, Any]) -> list[str]:
+    """What the figures are, in words."""
+    build = data.get("cpu_ext") or {}
+    built = (
+        f"vllm/_C ({build.get('target')}) was built in {build['seconds']:.0f} s "
+        "by tools/cpu_ext.py and is cached by its inputs (a second run reuses "
+        "it)."
+        if build.get("seconds")
+        else "vllm/_C came from tools/cpu_ext.py's cache."
+    )
+    text = (
+        "Real vLLM engines, one process each, on CPU (fp32, eager), NIXL over "
+        "UCX on host DRAM; tiny random-weight models made locally from their "
+        "configs. Descriptors per READ are NIXL's own telemetry (descCount) "
+        "in the decoder. "
+        f"{built} All engines of the run: {data.get('seconds', 0):.0f} s."
+    )
+    return textwrap.wrap(text, 100)
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    lines = pairing_rows(data) + [""] + model_rows(data)
+    if data.get("faults"):
+        lines += [""] + fault_rows(data)
+    return lines + [""] + notes(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    data = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    print("\n".join(render(data)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
