@@ -451,6 +451,21 @@ def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
+def render_e2e(data: dict[str, Any], part: str | None) -> list[str]:
+    """checks/e2e/driver.py --json: real engines, stock and the series.
+
+    ``e2e:pairings``: the pairings table and its note only.
+    """
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from checks.e2e import report as e2e_report
+
+    if part == "pairings":
+        return e2e_report.pairing_rows(data) + [""] + e2e_report.notes(data)
+    return e2e_report.render(data)
+
+
 def outcome_codes(texts: Sequence[str]) -> dict[str, str]:
     """A short code per distinct outcome, by kind: R read, F failed (reported),
     H refused at the handshake, X raised out of the read path; numbered."""
@@ -524,6 +539,11 @@ SOURCES: dict[str, Source] = {
     ),
     "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
     "faults": Source(BENCH / "faults.json", "bash tools/main.sh", render_faults),
+    # The test command's e2e suite (a fresh clone's run includes the build of
+    # the CPU extension); bash tools/main.sh prints the same tables.
+    "e2e": Source(
+        ROOT / "build" / "e2e" / "e2e.json", "bash tools/test.sh", render_e2e
+    ),  # fmt: skip
     "posting-cost": Source(
         BENCH / "posting_cost.json",
         ".venv/bin/python tools/bench/posting_cost.py --tree "

@@ -12,7 +12,11 @@
 # then the regions per zoo P/D pair (tools/zoo_regions.py,
 # build/bench/zoo_regions.json) and one line per fault case on stock, the
 # read paths' prefixes and the series (tools/fault_lines.py,
-# build/bench/faults.json). Extra arguments go to the job (default:
+# build/bench/faults.json), then real engines end to end: prefill and decode
+# vLLM engines over NIXL on CPU, stock and series trees, each tiny model
+# (checks/e2e/driver.py, build/bench/e2e.json, ~8 min; the first run also
+# builds vLLM's CPU extension, ~15-25 min on 2 cores, which
+# tools/cpu_ext.py caches). Extra arguments go to the job (default:
 # --out build/bench --verify sample), e.g. --repeat 3, --quick, or
 # --scenarios blhnc-row --variants series.
 #
@@ -64,3 +68,12 @@ echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
 echo
 echo "main: fault cases per tree (tools/fault_lines.py)"
 "$VPY" tools/fault_lines.py --json build/bench/faults.json
+# Real engines: a prefill and a decode engine per tree (stock 0.33.0 in
+# build/stock, the series in build/vllm) for each tiny model, with the CPU
+# extension tools/cpu_ext.py builds once and caches.
+echo
+echo "main: real engines end to end (checks/e2e/driver.py)"
+STOCK=$("$VPY" -c 'import sys; sys.path[:0] = ["tools"]
+from testrun.project_checks import stock_worktree; print(stock_worktree())')
+"$VPY" tools/cpu_ext.py install "$TREE" "$STOCK"
+STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.e2e.driver --json build/bench/e2e.json
