@@ -125,6 +125,13 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "if plan.changes_reads:",
         "if False:",
     ),
+    # Two real engines: the decoder reads the prompt's blocks in reverse.
+    (
+        "v1/kv_connector/nixl_integration/test_nixl_cpu_pd.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
+        "local_block_ids, remote_block_ids\n        )",
+        "local_block_ids, [g[::-1] for g in remote_block_ids]\n        )",
+    ),
     (
         "v1/kv_connector/unit/test_nixl_region_coalescing.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
@@ -147,6 +154,9 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
     for i in range(2):
         worktree = ROOT / "build" / f"mutant-{i}"
         add_worktree(worktree, "HEAD")
+        # The engines of the two-engine test need the CPU extension.
+        run_logged([PYTHON, "tools/cpu_ext.py", "install", str(worktree)], ROOT,
+                   log, env)  # fmt: skip
         worktrees.put(worktree)
 
     def mutate(index: int) -> tuple[str, str | None]:

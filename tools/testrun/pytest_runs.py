@@ -15,9 +15,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fork import TREE, load_manifest
+from fork import ROOT, TREE, load_manifest
 
-from testrun.common import PLUGINS, PYTHON, RESULTS, Result, plural, run_logged
+from testrun.common import (
+    PLUGINS,
+    PYTHON,
+    RESULTS,
+    Result,
+    plural,
+    run_logged,
+    tail,
+)
 from testrun.suites import CPU_JOB, Suite
 
 
@@ -169,6 +177,12 @@ def run_buildkite(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """The pytest command lines of the series' Buildkite CPU job, verbatim."""
     res = Result(suite.name)
     commands = cpu_job_commands()
+    # Its two-engine test runs real engines: the CPU extension, built from the
+    # verified sdist on first use (tools/cpu_ext.py, cached) and linked in.
+    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE)]
+    if run_logged(cmd, ROOT, log, env) != 0:
+        return Result(suite.name, failed=1, note="CPU extension build failed: "
+                      + tail(log, 3).replace("\n", " "))  # fmt: skip
     if not commands:
         res.note = f"no step {CPU_JOB[1]} in {CPU_JOB[0]} yet"
     for i, cmd in enumerate(commands):
