@@ -99,12 +99,24 @@ def cached(tgt: str) -> Path | None:
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
+    start = LOG.stat().st_size if LOG.exists() else 0
     with open(LOG, "a", encoding="utf-8") as log:
         log.write(f"--- {what}: {' '.join(cmd)}\n")
         log.flush()
-        env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        env = dict(
+            os.environ,
+            PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            # The sources sit inside the project's checkout: without a ceiling
+            # git would take that repository for theirs, and `git apply` would
+            # skip every path (it applies relative to the repository's root).
+            GIT_CEILING_DIRECTORIES=str(WORK),
+        )
         rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log,
                             stderr=subprocess.STDOUT).returncode  # fmt: skip
+    if rc == 0 and "Skipped patch" in LOG.read_text(errors="replace")[start:]:
+        rc = 1
+        with open(LOG, "a", encoding="utf-8") as log:
+            log.write(f"error: {what}: git apply skipped a file of the patch\n")
     if rc != 0:
         raise BuildError(f"{what} failed: {_cause() or 'see log'}; full log: {LOG}")
 
