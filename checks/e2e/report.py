@@ -104,7 +104,7 @@ def notes(data: dict[str, Any]) -> list[str]:
     """What the figures are, in words."""
     build = data.get("cpu_ext") or {}
     built = (
-        f"vllm/_C ({build.get('target')}) was built in {build['seconds']:.0f} s "
+        f"vllm/{build.get('target')} was built in {build['seconds']:.0f} s "
         "by tools/cpu_ext.py and is cached by its inputs (a second run reuses "
         "it)."
         if build.get("seconds")
@@ -114,10 +114,12 @@ def notes(data: dict[str, Any]) -> list[str]:
         "Real vLLM engines, one process each, on CPU (fp32, eager), NIXL over "
         "UCX on host DRAM; tiny random-weight models made locally from their "
         "configs. Descriptors per READ are NIXL's own telemetry (descCount) "
-        "in the decoder. "
+        "in the decoder. Same-tree pairs run first on each engine, after the "
+        "same history; mixed pairs are each engine's second pairing, so they "
+        "compare with each other, not with the same-tree rows. "
         f"{built} All engines of the run: {data.get('seconds', 0):.0f} s."
     )
-    return textwrap.wrap(text, 100)
+    return textwrap.wrap(text, 100, break_on_hyphens=False)
 
 
 def render(data: dict[str, Any]) -> list[str]:
