@@ -201,6 +201,25 @@ class Engine:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
 
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGSTOP the engine's process group; wait until every thread stopped.
+
+        ``kill`` returns before the threads stop; a READ posted in that window
+        can be served. Returns the number of stopped threads.
+        """
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while True:
+            states = _group_thread_states(self.proc.pid)
+            if states and all(s in "Tt" for s in states):
+                return len(states)
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"{self.name}: not stopped {timeout:.0f} s after SIGSTOP "
+                    f"(thread states {''.join(sorted(states))})"
+                )
+            time.sleep(0.05)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -212,6 +231,23 @@ class Engine:
             self.signal(signal.SIGKILL)
             self.proc.wait()
         self._log.close()
+
+
+def _group_thread_states(pgid: int) -> list[str]:
+    """The state letter of every thread of every process in group ``pgid``."""
+    states = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for task in (proc / "task").iterdir():
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return states
 
 
 @contextmanager
@@ -519,7 +555,7 @@ def run_faults(
             policy: _prefill(pb, prompt, f"long for {policy} (killed during)")
             for policy in POLICIES
         }
-        pb.signal(signal.SIGSTOP)
+        stopped = pb.stop()
         for policy, d in decoders.items():
             d.send("generate", prompts=[prompt], max_tokens=MAX_TOKENS,
                    kv_params=[params[policy]])  # fmt: skip
@@ -534,6 +570,7 @@ def run_faults(
             cases.append(_fault_case(d, "killed-during-read", policy, tree_name,
                                      params[policy], oracle,
                                      pending=pending[policy]))  # fmt: skip
+            cases[-1]["prefill_threads_stopped"] = stopped
     return cases
 
 
