@@ -34,6 +34,8 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,11 @@ CROSS_CASES: list[Pair] = [
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
+    # A row shared by groups where the user set BLHNC on both sides: 0.33.0
+    # registers and compares whole rows, so the fork advertises the row whole.
+    *_both_ways(
+        _stock(model="mla-swa", layout="BLHNC"), _fork(model="mla-swa", layout="BLHNC")
+    ),
     *_both_ways(_fork(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
     Pair(_stock(model="glm53-mtp", staging=True), _fork(model="glm53-mtp")),
     *_both_ways(
@@ -168,14 +175,42 @@ class _Side:
         else:
             zero(self.layout)
         self.device_raws = list(self.layout.raws)
-        self.worker = make_zoo_worker(self.layout, engine_id=engine_id, coalesce=True)
+        # The worker sees what the user set, as the layout resolution did.
+        with self._settings():
+            self.worker = make_zoo_worker(
+                self.layout,
+                engine_id=engine_id,
+                coalesce=True,
+                settings=self._set_block_size,
+            )
+
+    def _set_block_size(self, config: Any) -> None:
+        config.cache_config.user_specified_block_size = (
+            self.config.block_size is not None
+        )
+
+    @contextmanager
+    def _settings(self) -> Iterator[None]:
+        """The user's environment, on an MLA model (every family here)."""
+        from unittest.mock import patch
+
+        from vllm.config.model import ModelConfig
+
+        mla = property(lambda self: True)
+        c = self.config
+        env = {"VLLM_KV_CACHE_LAYOUT": c.layout} if c.layout else {}
+        with (
+            patch.dict(os.environ, env),
+            patch.object(ModelConfig, "use_mla", mla),
+            patch.object(ModelConfig, "is_deepseek_mla", mla),
+        ):
+            yield
 
     def _resolve(self) -> str:
         """The zoo layout this tree builds for the configuration."""
         from unittest.mock import patch
 
         from tests.v1.kv_connector.unit.utils import create_vllm_config
-        from vllm.config.model import ModelConfig
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.utils import (
             get_supported_kv_cache_layouts,
@@ -216,13 +251,9 @@ class _Side:
             kv_connector_extra_config=extra,
         )
         config.cache_config.kv_cache_layout = None
-        config.cache_config.user_specified_block_size = c.block_size is not None
-        mla = property(lambda self: True)
-        env = {"VLLM_KV_CACHE_LAYOUT": c.layout} if c.layout else {}
+        self._set_block_size(config)
         with (
-            patch.dict(os.environ, env),
-            patch.object(ModelConfig, "use_mla", mla),
-            patch.object(ModelConfig, "is_deepseek_mla", mla),
+            self._settings(),
             patch.object(current_platform, "is_cuda", lambda: True),
         ):
             layout = resolve_kv_cache_layout(config, [supported], specs)

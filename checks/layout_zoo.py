@@ -1129,6 +1129,7 @@ def make_zoo_worker(
     real_nixl: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
+    settings: Callable[[VllmConfig], None] | None = None,
 ) -> NixlPullConnectorWorker:
     """Build a NIXL pull worker over a layout and run the real registration.
 
@@ -1148,6 +1149,8 @@ def make_zoo_worker(
             ``RecordingNixl``.
         tp_rank: This worker's TP rank.
         tp_size: TP world size.
+        settings: Applies what a user set on the instance to the worker's
+            config (e.g. ``--block-size``), after the layout's own.
 
     Returns:
         The registered worker (``xfer_handshake_metadata`` is set).
@@ -1162,6 +1165,8 @@ def make_zoo_worker(
     if layout.configure is not None:
         layout.configure(config)
     config.cache_config.kv_cache_layout = layout.kv_cache_layout
+    if settings is not None:
+        settings(config)
     backend = _fake_backend(layout.backend_name, layout.block_size)
     nixl_cls = _real_nixl_wrapper() if real_nixl else RecordingNixl
     with ExitStack() as stack:

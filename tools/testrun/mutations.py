@@ -36,10 +36,11 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "base=row.base + member.offset,",
         "base=row.base,",
     ),
-    # A row shared by groups advertised whole (0.33.0 decoders refuse it).
+    # A preferred row shared by groups advertised whole (0.33.0's per-layer
+    # decoders of the same settings refuse it).
     (
         "v1/kv_connector/unit/test_nixl_desc_geometry.py"
-        "::test_packed_mla_pp1_transfers_whole_rows",
+        "::test_shared_rows_are_advertised_as_the_same_settings_on_0_33",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "self._advertise_shared_row_pages(agent_metadata)",
         "pass",

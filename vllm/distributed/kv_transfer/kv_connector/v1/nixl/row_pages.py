@@ -179,28 +179,3 @@ def pages_of_row(
         )
         for offset, (name, groups, lengths) in by_offset.items()
     ]
-
-
-def row_of_pages(
-    pages: Sequence[tuple[str, Page]], members: Mapping[str, tuple[int, int]]
-) -> Page | None:
-    """The whole-row region that ``pages_of_row`` described page by page.
-
-    Args:
-        pages: The advertised ``(name, page region)`` of the row.
-        members: ``(offset, length)`` of every layer of the row.
-
-    Returns:
-        The row, or None when the pages are not those of one row.
-
-    """
-    if any(name not in members for name, _ in pages):
-        return None
-    rows = {
-        (page.base - members[name][0], page.stride, page.num_blocks)
-        for name, page in pages
-    }
-    if len(rows) != 1 or len(pages) != len({members[n][0] for n, _ in pages}):
-        return None
-    ((base, stride, num_blocks),) = rows
-    return Page(base, stride, stride, num_blocks, SHARED_GROUP)
