@@ -1,19 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pull-request descriptions ("cover letters") for the exported series.
+"""Pull-request descriptions ("cover letters") and the project's tables.
 
 Each patch may have a hand-written description in ``series/covers/<name>.md``
 laid out as upstream's ``.github/PULL_REQUEST_TEMPLATE.md`` (Overview, Claims,
-Validation, Details, checklist). Measured figures are never typed there: a
-line ``<!-- table: NAME -->`` is replaced by a table rendered from the JSON a
-benchmark or the test command wrote, followed by where it came from (file,
-command, time written). A source that is missing becomes a line saying which
-command makes it, and the export names it.
+Validation, Details, checklist). A description quotes only what runs in a vLLM
+tree with the patch applied (a test's ``-s`` output, a snippet it shows);
+``<!-- lines -->`` becomes the patch's size. A project table directive or a
+mention of ``tools/`` in a description is refused (:class:`CoverError`).
 
-``tools/fork.py export`` calls :func:`missing_sources` first (it stops when a
-table would be a placeholder, unless ``--draft``), then
-:func:`write_cover_letters`; ``python3 tools/cover_letters.py main-job`` prints
-one table the same way, ``python3 tools/cover_letters.py readme`` re-renders
-the tables of README.md and of the project's pages (``project-docs/*.md``).
+Measured figures of the project's own pages are never typed: a line
+``<!-- table: NAME -->`` in README.md or ``project-docs/*.md`` is replaced by a
+table rendered from the JSON a benchmark or the test command wrote, followed
+by where it came from (file, command, time written).
+``python3 tools/cover_letters.py main-job`` prints one table,
+``python3 tools/cover_letters.py readme`` re-renders the pages' tables.
 Text lines are wrapped at ``WRAP`` columns; no table row is longer than
 ``MAX_LINE`` (a long message is a footnote, not a cell). Stdlib only; imports
 ``tools/manifest.py`` and ``tools/bench/report.py``, never ``tools/fork.py``.
@@ -546,9 +546,10 @@ SOURCES: dict[str, Source] = {
     ),  # fmt: skip
     "posting-cost": Source(
         BENCH / "posting_cost.json",
-        ".venv/bin/python tools/bench/posting_cost.py --tree "
-        "before=build/prefixes/0009-nixl-mla-block-outermost-layout "
-        "--tree after=build/vllm --json build/bench/posting_cost.json",
+        ".venv/bin/python tools/bench/posting_cost.py "
+        "--tree before=build/prefixes/0003-nixl-ordered-transfers "
+        "--tree after=build/prefixes/0004-nixl-posting-cost "
+        "--json build/bench/posting_cost.json",
         render_posting_cost,
     ),
     "staging-startup": Source(
@@ -568,22 +569,16 @@ def render_patch_sizes() -> list[str]:
     for index, patch in enumerate(manifest.load_manifest().patches, start=1):
         counts = manifest.patch_lines(patch)
         cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
-        body.append((f"{index:04d}", patch.name, *cells))
+        body.append((f"{index:04d}", patch.stack, patch.name, *cells))
     return [
-        *_table(("#", "patch", *manifest.KINDS), body),
+        *_table(("#", "stack", "patch", *manifest.KINDS), body),
         "",
         "_Counted by `python3 tools/fork.py summary` (new files and hunks)._",
     ]
 
 
-def render_table(
-    name: str, arg: str | None = None, *, downstream: bool = False
-) -> tuple[list[str], str | None]:
-    """Lines replacing one directive, and the command to run if it is missing.
-
-    With ``downstream`` (a PR description), the provenance line says that the
-    command is the series project's, not one a vLLM tree has.
-    """
+def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | None]:
+    """Lines replacing one directive, and the command to run if it is missing."""
     if name == "patch-sizes":
         return render_patch_sizes(), None
     source = SOURCES.get(name)
@@ -603,69 +598,59 @@ def render_table(
             f"_`{rel}` (written {when}) is not in the format this table reads "
             f"({type(exc).__name__}: {exc}): rerun `{source.command}`._"
         ], source.command
-    if downstream:
-        lines += [
-            "",
-            f"_Measured downstream, outside the vLLM tree: `{source.command}` "
-            f"of the series' project (its README gives the method) wrote "
-            f"`{rel}` at {when}._",
-        ]
-    else:
-        lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
+    lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
     return wrap_markdown(lines), None
 
 
 def render_lines(name: str) -> list[str]:
-    """The patch's added/removed lines per kind (``fork.py summary``)."""
+    """The patch's added/removed lines per kind of file."""
     import manifest  # tools/manifest.py
 
     (patch,) = [p for p in manifest.load_manifest().patches if p.name == name]
     counts = manifest.patch_lines(patch)
     return [
-        "Size (new files and hunks, counted downstream by the series' "
-        "`tools/fork.py summary`): "
+        "Size (new files and hunks): "
         + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
         + "."
     ]
 
 
-def render_cover(text: str, name: str | None = None) -> tuple[str, list[str]]:
-    """Fill a cover template; also return the commands of missing sources."""
+class CoverError(ValueError):
+    """A PR description that would cite what a vLLM tree cannot run."""
+
+
+def render_cover(text: str, name: str | None = None) -> str:
+    """Fill a cover template's ``<!-- lines -->``.
+
+    A PR description quotes only what runs in a vLLM tree with the patch
+    applied (a test's ``-s`` output, a snippet it shows), so a project
+    table directive in a cover is refused, as is any mention of the
+    project's ``tools/``.
+
+    Raises:
+        CoverError: The template has a table directive or cites ``tools/``.
+    """
     out: list[str] = []
-    missing: list[str] = []
-    for line in text.splitlines():
+    for n, line in enumerate(text.splitlines(), start=1):
         if line.strip() == LINES and name is not None:
             out += render_lines(name)
             continue
-        m = DIRECTIVE.match(line.strip())
-        if m is None:
-            out.append(line)
-            continue
-        lines, command = render_table(m.group("name"), m.group("arg"), downstream=True)
-        out += lines
-        if command:
-            missing.append(command)
-    return "\n".join(out).rstrip("\n") + "\n", missing
-
-
-def missing_sources(names: Sequence[str]) -> list[str]:
-    """Commands whose output the named patches' cover letters lack.
-
-    A table whose JSON is missing, or is in an older format, would be a
-    placeholder in the description; ``fork.py export`` stops on any.
-    """
-    missing: list[str] = []
-    for name in names:
-        template = COVERS / f"{name}.md"
-        if template.exists():
-            _, lacking = render_cover(template.read_text(encoding="utf-8"), name)
-            missing += [c for c in lacking if c not in missing]
-    return missing
+        if DIRECTIVE.match(line.strip()):
+            raise CoverError(
+                f"cover {name}: line {n}: {line.strip()}: a PR description "
+                "quotes a test or snippet that runs in a vLLM tree, not a "
+                "table of this project"
+            )
+        out.append(line)
+    body = "\n".join(out).rstrip("\n") + "\n"
+    if "tools/" in body:
+        raise CoverError(f"cover {name}: cites tools/, which a vLLM tree lacks")
+    return body
 
 
 def write_cover_letters(
     patches: Sequence[tuple[str, str, Path]], out_dir: Path
-) -> tuple[list[Path], list[str]]:
+) -> list[Path]:
     """Write one cover letter per patch that has a template.
 
     Args:
@@ -673,25 +658,25 @@ def write_cover_letters(
         out_dir: Directory for the ``*.md`` files (created).
 
     Returns:
-        The files written and the commands whose output was missing (their
-        tables are placeholders: ``fork.py export --draft`` only).
+        The files written.
+
+    Raises:
+        CoverError: A template cites a project table or ``tools/``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.md"):
         old.unlink()
     written: list[Path] = []
-    missing: list[str] = []
     for name, subject, patch_file in patches:
         template = COVERS / f"{name}.md"
         if not template.exists():
             continue
-        body, lacking = render_cover(template.read_text(encoding="utf-8"), name)
+        body = render_cover(template.read_text(encoding="utf-8"), name)
         head = f"# {subject}\n\nPatch: `{patch_file.name}`\n\n"
         dest = out_dir / f"{patch_file.stem}.md"
         dest.write_text(head + body, encoding="utf-8")
         written.append(dest)
-        missing += [c for c in lacking if c not in missing]
-    return written, missing
+    return written
 
 
 END_TABLE = "<!-- end table -->"

@@ -33,8 +33,10 @@ from pathlib import Path
 
 from manifest import (  # tools/manifest.py; re-exported for tools/testrun/
     BASE_TAG,
+    EXPORTED_STACKS,
     KINDS,
     MANIFEST,
+    STACKS,
     VLLM_VERSION,
     ForkError,
     Manifest,
@@ -67,6 +69,12 @@ DIFF_DIR = ROOT / "series" / "diffs"
 CACHE_DIR = ROOT / "build" / "cache"
 TREE = ROOT / "build" / "vllm"
 EXPORT_DIR = ROOT / "build" / "series-export"
+# `roundtrip` leaves here a pristine release with the first stack alone
+# applied by `git am` (the run_tests.py stack1 suite tests it).
+STACK1_TREE = ROOT / "build" / "stack1"
+# The layout stack's RFC: a file of its first patch, also exported as the
+# text of an RFC issue.
+RFC_DOC = "docs/design/nixl_kv_layout.md"
 # Marker in build/vllm/.git naming the last HEAD that is known to be saved in
 # the repository (written by `build` and `save`); `build` refuses to discard
 # any other HEAD unless --force.
@@ -429,25 +437,57 @@ def series_commits(tree: Path) -> list[str]:
     return out.split() if out else []
 
 
-def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
-    """``git format-patch`` the series, authored and signed off by ``identity``.
+def stack_commits(manifest: Manifest) -> dict[str, list[str]]:
+    """The build tree's commits of each stack (manifest order = commit order)."""
+    commits = series_commits(TREE)
+    if len(commits) != len(manifest.patches):
+        raise ForkError(
+            f"{_rel(TREE)} has {len(commits)} commit(s) but the manifest "
+            f"{len(manifest.patches)} patch(es); run `fork.py save` or `build`"
+        )
+    out: dict[str, list[str]] = {}
+    for commit, patch in zip(commits, manifest.patches, strict=True):
+        out.setdefault(patch.stack, []).append(commit)
+    return out
 
-    The local build's author and date are replaced by ``identity`` and the
-    time of the export; the Signed-off-by trailer is ``identity``'s.
+
+def stack_dir(out_dir: Path, stack: str) -> Path:
+    """Where ``export`` writes one stack: ``1-fixes``, ``2-layout``."""
+    return out_dir / f"{EXPORTED_STACKS.index(stack) + 1}-{stack}"
+
+
+def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
+    """``git format-patch`` each exported stack, signed off by ``identity``.
+
+    One directory per stack (``stack_dir``), patches numbered from 1 in
+    each; a stack applies on the previous one. Project patches are not
+    exported. The local build's author and date are replaced by
+    ``identity`` and the time of the export; the Signed-off-by trailer is
+    ``identity``'s.
     """
     require_tree()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.patch"):
+    for old in out_dir.glob("**/*.patch"):
         old.unlink()
-    if not series_commits(TREE):
-        return []
-    git(
-        TREE, "format-patch", "-q", "--no-signature", "--no-renames", "--signoff",
-        "-o", str(out_dir.resolve()), f"{BASE_TAG}..HEAD", identity=identity,
-    )  # fmt: skip
+    by_stack = stack_commits(load_manifest())
+    for stack in EXPORTED_STACKS:
+        commits = by_stack.get(stack)
+        if not commits:
+            continue
+        dest = stack_dir(out_dir, stack)
+        dest.mkdir(parents=True, exist_ok=True)
+        git(
+            TREE, "format-patch", "-q", "--no-signature", "--no-renames",
+            "--signoff", "-o", str(dest.resolve()),
+            f"{commits[0]}^..{commits[-1]}", identity=identity,
+        )  # fmt: skip
     name, email = identity
     date = email_utils.formatdate(localtime=True)
-    patches = sorted(out_dir.glob("*.patch"))
+    patches = [
+        path
+        for stack in EXPORTED_STACKS
+        for path in sorted(stack_dir(out_dir, stack).glob("*.patch"))
+    ]
     for path in patches:
         header, sep, rest = path.read_text(encoding="utf-8").partition("\n\n")
         for key, value in (("From", f"{name} <{email}>"), ("Date", date)):
@@ -466,17 +506,9 @@ def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from cover_letters import missing_sources, write_cover_letters
+    from cover_letters import CoverError, write_cover_letters
 
     manifest = load_manifest()
-    missing = missing_sources([p.name for p in manifest.patches])
-    if missing and not args.draft:
-        raise ForkError(
-            "the PR descriptions would hold placeholders for tables not "
-            "measured yet (or measured in an older format); run "
-            + " and ".join(f"`{c}`" for c in missing)
-            + " first, or `fork.py export --draft` to write them anyway"
-        )
     out_dir = Path(args.dir) if args.dir else EXPORT_DIR
     patches = export(out_dir, require_user_identity())
     if not patches:
@@ -484,25 +516,60 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     print(f"export: {len(patches)} patch(es) in {_rel(out_dir.resolve())}")
     for p in patches:
-        print(f"  {p.name}")
-    if len(manifest.patches) != len(patches):
+        print(f"  {p.parent.name}/{p.name}")
+    if len(manifest.exported) != len(patches):
         raise ForkError(
-            f"export: {len(patches)} commits but {len(manifest.patches)} manifest "
-            "patches; run `fork.py save` first"
+            f"export: {len(patches)} commits but {len(manifest.exported)} exported "
+            "manifest patches; run `fork.py save` first"
         )
-    covers, missing = write_cover_letters(
-        [
-            (pt.name, pt.subject, f)
-            for pt, f in zip(manifest.patches, patches, strict=True)
-        ],
-        out_dir / "cover-letters",
-    )
-    where = _rel((out_dir / "cover-letters").resolve())
-    draft = " (DRAFT: placeholders)" if missing else ""
-    print(f"export: {len(covers)} cover letter(s) in {where}{draft}")
-    for cmd in missing:
-        print(f"  not measured yet (placeholder tables): run `{cmd}`")
+    by_file = dict(zip(patches, manifest.exported, strict=True))
+    texts = {p: patch_message(p.read_text(encoding="utf-8")) for p in patches}
+    for stack in EXPORTED_STACKS:
+        dest = stack_dir(out_dir, stack)
+        try:
+            covers = write_cover_letters(
+                [(by_file[f].name, by_file[f].subject, f) for f in patches
+                 if f.parent == dest],
+                dest / "cover-letters",
+            )  # fmt: skip
+        except CoverError as exc:
+            raise ForkError(f"export: {exc}") from None
+        print(f"export: {len(covers)} cover letter(s) in {_rel(dest.resolve())}")
+    rfc = TREE / RFC_DOC
+    if rfc.is_file():
+        dest = stack_dir(out_dir, "layout") / "RFC-issue.md"
+        dest.write_text(rfc_issue(rfc.read_text(encoding="utf-8")), encoding="utf-8")
+        texts[dest] = dest.read_text(encoding="utf-8")
+        print(f"export: the RFC as an issue in {_rel(dest.resolve())}")
+    # A reviewer has the vLLM tree, not this project: no description may
+    # send them to the project's tools/.
+    cited = [_rel(path) for path, text in texts.items() if "tools/" in text]
+    if cited:
+        raise ForkError(f"export: {', '.join(cited)} cite tools/ of this project")
     return 0
+
+
+def patch_message(text: str) -> str:
+    """The commit message of a ``git format-patch`` file (headers and body)."""
+    return text.split("\n---\n", 1)[0]
+
+
+def rfc_issue(doc: str) -> str:
+    """The RFC document as the text of a GitHub issue (``[RFC]: `` title).
+
+    The document's first heading becomes the title line; the rest is the
+    body, relative links pointing at the upstream tree.
+    """
+    lines = doc.splitlines()
+    title = next(ln for ln in lines if ln.startswith("# "))
+    body = "\n".join(lines[lines.index(title) + 1 :]).strip("\n")
+    body = re.sub(
+        r"\]\((?!https?:|#)([^)]+)\)",
+        lambda m: f"](https://github.com/vllm-project/vllm/blob/main/docs/design/"
+        f"{m.group(1)})",
+        body,
+    )
+    return f"Title: [RFC]: {title[2:].strip()}\n\n{body}\n"
 
 
 def cmd_roundtrip(_: argparse.Namespace) -> int:
@@ -512,32 +579,47 @@ def cmd_roundtrip(_: argparse.Namespace) -> int:
         print("roundtrip: empty series, nothing to check")
         return 0
     sdist = fetch_sdist()
-    want = git_out(TREE, "rev-parse", "HEAD^{tree}")
+    by_stack = stack_commits(load_manifest())
     (ROOT / "build").mkdir(exist_ok=True)
+    counts = []
     with tempfile.TemporaryDirectory(dir=ROOT / "build", prefix="roundtrip-") as tmp:
         # Only the trees are compared: any identity will do.
-        patches = export(Path(tmp) / "export", user_identity() or BUILD_IDENTITY)
+        out = Path(tmp) / "export"
+        export(out, user_identity() or BUILD_IDENTITY)
         fresh = Path(tmp) / "vllm"
         make_base(fresh, sdist)
-        proc = git(
-            fresh, "am", "-q", "--whitespace=nowarn", *map(str, patches),
-            identity=BASE_IDENTITY, check=False,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln]
-            print(f"roundtrip: FAIL: git am of the export failed: {lines[:3]}")
-            return 1
-        got = git_out(fresh, "rev-parse", "HEAD^{tree}")
-        if got != want:
-            stat = git(fresh, "diff", "--stat", want, got, check=False).stdout
-            print(
-                f"roundtrip: FAIL: {len(patches)} exported patch(es) give tree "
-                f"{got[:12]}, build/vllm HEAD tree is {want[:12]}\n{stat}"
-            )
-            return 1
+        for stack in EXPORTED_STACKS:
+            if not by_stack.get(stack):
+                continue
+            patches = sorted(stack_dir(out, stack).glob("*.patch"))
+            want = git_out(TREE, "rev-parse", f"{by_stack[stack][-1]}^{{tree}}")
+            proc = git(
+                fresh, "am", "-q", "--whitespace=nowarn", *map(str, patches),
+                identity=BASE_IDENTITY, check=False,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln]
+                print(f"roundtrip: FAIL: git am of {stack} failed: {lines[:3]}")
+                return 1
+            got = git_out(fresh, "rev-parse", "HEAD^{tree}")
+            if got != want:
+                stat = git(fresh, "diff", "--stat", want, got, check=False).stdout
+                print(
+                    f"roundtrip: FAIL: {stack}: {len(patches)} exported patch(es) "
+                    f"give tree {got[:12]}, build/vllm's is {want[:12]}\n{stat}"
+                )
+                return 1
+            counts.append(f"{len(patches)} {stack}")
+            if stack == EXPORTED_STACKS[0]:
+                if STACK1_TREE.exists():
+                    shutil.rmtree(STACK1_TREE)
+                shutil.copytree(fresh, STACK1_TREE, symlinks=True)
+    project = len(by_stack.get("project", []))
     print(
-        f"roundtrip: OK: {len(patches)} patch(es) export and `git am` onto a "
-        f"fresh {BASE_TAG} to the same tree {want[:12]}"
+        f"roundtrip: OK: {' + '.join(counts)} patch(es) export and `git am` "
+        f"onto a fresh {BASE_TAG}, each stack to build/vllm's tree at its last "
+        f"patch ({project} project patch(es) not exported); "
+        f"{_rel(STACK1_TREE)} holds {BASE_TAG} + the first stack alone"
     )
     return 0
 
@@ -656,7 +738,7 @@ def cmd_save(args: argparse.Namespace) -> int:
         # Keep the manifest's file order; new files go last, sorted.
         files = [f for f in old.files if f in added]
         files += sorted(set(added) - set(files))
-        new_patches.append(Patch(old.name, subject, body, files, diff_rel))
+        new_patches.append(Patch(old.name, subject, body, files, diff_rel, old.stack))
         if not check:
             print(
                 f"save: {patch_id(index, old)}: {len(added)} new file(s), "
@@ -704,8 +786,17 @@ def cmd_summary(_: argparse.Namespace) -> int:
         cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
         rows.append((f"{index:04d}", p.name, *cells, p.subject))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+    def line(r: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+
+    print(line(header))
+    stack = None
+    for p, r in zip(manifest.patches, rows, strict=True):
+        if p.stack != stack:
+            stack = p.stack
+            print(f"-- {STACKS[stack]}")
+        print(line(r))
     return 0
 
 
@@ -724,11 +815,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_export = sub.add_parser("export", help="git format-patch the series")
     p_export.add_argument("dir", nargs="?", help="output dir (build/series-export)")
-    p_export.add_argument(
-        "--draft",
-        action="store_true",
-        help="write the PR descriptions even where a table is not measured yet",
-    )
     sub.add_parser("roundtrip", help="check export + git am reproduces build/vllm")
     p_save = sub.add_parser("save", help="write build/vllm commits back into the repo")
     p_save.add_argument(

@@ -22,6 +22,16 @@ MANIFEST = ROOT / "series" / "manifest.toml"
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
+# The series' stacks, in order: each a contiguous run of patches. The first
+# two are exported (``fork.py export``: one directory each); ``project``
+# patches are applied by ``fork.py build`` only.
+STACKS = {
+    "fixes": "stack 1: fixes and small wins, each mergeable on its own",
+    "layout": "stack 2: KV layout as a local choice (RFC)",
+    "project": "project only: in the fork build, never exported",
+}
+EXPORTED_STACKS = ("fixes", "layout")
+
 MANIFEST_HEADER = """\
 # vLLM NIXL patch series on top of the vLLM {version} release sdist.
 #
@@ -31,6 +41,8 @@ MANIFEST_HEADER = """\
 #   body     commit message body (why the change is needed)
 #   files    new files the patch adds, kept at their upstream path in the repo
 #   diff     optional unified git diff against upstream files
+#   stack    fixes | layout | project: which exported stack the patch is in
+#            (project: applied by the fork build, never exported)
 # No identity here: `export` signs off as `git config user.name/user.email`.
 # `python3 tools/fork.py save` rewrites this file from build/vllm.
 
@@ -50,6 +62,7 @@ class Patch:
     body: str = ""
     files: list[str] = field(default_factory=list)
     diff: str | None = None
+    stack: str = "fixes"
 
 
 @dataclass
@@ -57,6 +70,14 @@ class Manifest:
     """The parsed series/manifest.toml."""
 
     patches: list[Patch]
+
+    def stack(self, name: str) -> list[Patch]:
+        """The patches of one stack, in order."""
+        return [p for p in self.patches if p.stack == name]
+
+    @property
+    def exported(self) -> list[Patch]:
+        return [p for p in self.patches if p.stack in EXPORTED_STACKS]
 
 
 def _check_relpath(where: str, path: str) -> None:
@@ -95,7 +116,7 @@ def load_manifest(require_subject: bool = True) -> Manifest:
         where = f"{rel}: patch {i}"
         if not isinstance(table, dict):
             raise ForkError(f"{where}: not a table")
-        unknown = set(table) - {"name", "subject", "body", "files", "diff"}
+        unknown = set(table) - {"name", "subject", "body", "files", "diff", "stack"}
         if unknown:
             raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
         name = table.get("name")
@@ -127,8 +148,18 @@ def load_manifest(require_subject: bool = True) -> Manifest:
             if not isinstance(diff, str):
                 raise ForkError(f"{where} ({name}): 'diff' must be a path")
             _check_relpath(f"{where} ({name})", diff)
+        stack = table.get("stack", "fixes")
+        if stack not in STACKS:
+            raise ForkError(f"{where} ({name}): 'stack' must be one of {list(STACKS)}")
+        if patches and list(STACKS).index(stack) < list(STACKS).index(
+            patches[-1].stack
+        ):
+            raise ForkError(
+                f"{where} ({name}): stack {stack!r} after {patches[-1].stack!r}; "
+                f"stacks run in the order {list(STACKS)}"
+            )
         patches.append(
-            Patch(name, subject.strip(), body.strip("\n"), list(files), diff)
+            Patch(name, subject.strip(), body.strip("\n"), list(files), diff, stack)
         )
     return Manifest(patches)
 
@@ -164,6 +195,7 @@ def dump_manifest(manifest: Manifest) -> str:
             out.append("files = []\n")
         if p.diff:
             out.append(f"diff = {_toml_str(p.diff)}\n")
+        out.append(f"stack = {_toml_str(p.stack)}\n")
     return "".join(out)
 
 

@@ -65,7 +65,7 @@ from testrun.common import (
 from testrun.lint import run_lint, run_lint_project, update_mypy_baseline
 from testrun.mutations import run_mutations
 from testrun.project_checks import run_checks, run_e2e
-from testrun.pytest_runs import BATCHED, run_batch, run_buildkite
+from testrun.pytest_runs import BATCHED, run_batch, run_buildkite, run_stack1
 from testrun.report import print_table, write_summary
 from testrun.suites import SUITES, Suite
 
@@ -92,11 +92,13 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
         text = log.read_text(encoding="utf-8")
-        ok = re.search(r"OK: (\d+) patch", text)
+        ok = re.search(r"OK: (\d+ fixes \+ \d+ layout) patch", text)
         if "empty series" in text:
             res.note = "empty series"
         elif ok:
             res.note = f"{ok.group(1)} patch(es) reproduce build/vllm"
+    elif suite.kind == "stack1":
+        res = run_stack1(suite, log, env)
     elif suite.kind == "save-check":
         rc = run_logged([PYTHON, "tools/fork.py", "save", "--check"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))

@@ -18,7 +18,8 @@ trees (the machine is noisy: ratios come from one run). Per (layout, size)
 the figure is the median over every round of the per-round median::
 
     .venv/bin/python tools/bench/posting_cost.py \\
-        --tree before=build/prefixes/0009-... --tree after=build/vllm \\
+        --tree before=build/prefixes/0003-nixl-ordered-transfers \\
+        --tree after=build/prefixes/0004-nixl-posting-cost \\
         --json build/bench/posting_cost.json
 """
 

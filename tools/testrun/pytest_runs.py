@@ -22,11 +22,13 @@ from testrun.common import (
     PYTHON,
     RESULTS,
     Result,
+    git_lines,
     plural,
+    pythonpath,
     run_logged,
     tail,
 )
-from testrun.suites import CPU_JOB, Suite
+from testrun.suites import CPU_JOB, SUITES, Suite
 
 
 def cpu_job_commands() -> list[list[str]]:
@@ -284,3 +286,43 @@ def run_batch(suites: list[Suite], env: dict[str, str]) -> list[Result]:
     for res, seconds in zip(results, spent, strict=True):
         res.seconds = elapsed * seconds / total
     return results
+
+
+def run_stack1(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """The first stack's tests in the tree ``fork.py roundtrip`` left: a
+    pristine release with that stack alone applied by ``git am``.
+
+    Runs the test files its patches add (nixl_integration/ aside: those
+    run engines, which need the CPU extension built into the tree) and the
+    upstream test files they change, upstream's NIXL files at the marker
+    their suites use.
+    """
+    from fork import STACK1_TREE, stack_commits
+
+    if not (STACK1_TREE / "tests").is_dir():
+        return Result(suite.name, failed=1, note="no build/stack1: run roundtrip")
+    commits = stack_commits(load_manifest()).get("fixes", [])
+    files = git_lines(
+        "diff", "--name-only", "--no-renames", "--diff-filter=AM",
+        f"{commits[0]}^", commits[-1], "--", "tests/",
+    )  # fmt: skip
+    paths = [
+        f[len("tests/") :]
+        for f in files
+        if Path(f).name.startswith("test_")
+        and f.endswith(".py")
+        and "/nixl_integration/" not in f
+    ]
+    markers = {
+        p: suite_marker
+        for p in paths
+        for s in SUITES
+        if s.kind == "pytest" and p in s.paths and (suite_marker := s.marker)
+    }
+    env = dict(env, PYTHONPATH=pythonpath(STACK1_TREE))
+    res = run_pytest(
+        suite.name, paths, None, suite.workers, log, env,
+        cwd=STACK1_TREE / "tests", file_markers=markers or None,
+    )  # fmt: skip
+    res.note = f"v0.33.0 + {len(commits)} patches by git am; " + res.note
+    return res

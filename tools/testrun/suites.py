@@ -34,7 +34,7 @@ class Suite:
     """One row of the summary table."""
 
     name: str
-    kind: str  # "lint" | "series" | "roundtrip" | "save-check" | "pytest"
+    kind: str  # "lint" | "series" | "roundtrip" | "stack1" | "save-check" | ...
     _: KW_ONLY
     # lint: command run from build/vllm; "{py}" is the venv python.
     cmd: tuple[str, ...] = ()
@@ -82,6 +82,9 @@ SUITES: list[Suite] = [
     # The series' Buildkite CPU job, its pytest command lines verbatim.
     Suite("buildkite:nixl-cpu-job", "buildkite", quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
+    # The first stack alone, as `git am` puts it on a pristine release
+    # (roundtrip leaves that tree): the tests its patches add or change.
+    Suite("stack1-alone", "stack1", workers=2),
     # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
     # The series and pytest suites below share one pytest run (run_batch).

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Descriptor ids go to NIXL as int32; ascending block lists are not re-sorted."""
+"""Descriptor ids go to NIXL as int32."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,6 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
     NixlBaseConnectorWorker,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import sort_block_pairs
 
 
 def _attention_worker(num_regions: int) -> SimpleNamespace:
@@ -48,13 +47,3 @@ def test_desc_ids_refuse_lists_past_int32():
     # Two regions of 2**30 blocks: 2**31 descriptors, one past int32.
     with pytest.raises(ValueError, match="int32"):
         _desc_ids(_attention_worker(2), [[0]], num_blocks=1 << 30)
-
-
-@pytest.mark.cpu_test
-def test_sort_block_pairs_keeps_ascending_lists_as_they_are():
-    local, remote = [[1, 2, 2, 7], [4, 3]], [[9, 3, 8, 4], [5, 6]]
-    out_local, out_remote = sort_block_pairs(local, remote)
-    # The first group already ascends: the same lists, not copies.
-    assert out_local[0] is local[0] and out_remote[0] is remote[0]
-    # The second does not: sorted with its pairs.
-    assert (out_local[1], out_remote[1]) == ([3, 4], [6, 5])

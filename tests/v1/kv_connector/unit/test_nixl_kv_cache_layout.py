@@ -211,5 +211,9 @@ def test_registered_regions_per_layout(layout):
         stack.enter_context(patch("threading.Thread"))
         worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
         worker.register_kv_caches(caches)
+    print(
+        f"{layout}: {worker.num_regions} NIXL region(s) for {NUM_LAYERS} MLA + "
+        f"{NUM_LAYERS} DSA indexer layers"
+    )
     # One group, one allocation: BLHNC rows hold every page of a block.
     assert worker.num_regions == (1 if layout == "BLHNC" else 2 * NUM_LAYERS)

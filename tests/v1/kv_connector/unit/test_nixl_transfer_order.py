@@ -25,6 +25,16 @@ def test_sort_block_pairs_keeps_each_pair():
 
 
 @pytest.mark.cpu_test
+def test_sort_block_pairs_keeps_ascending_lists_as_they_are():
+    local, remote = [[1, 2, 2, 7], [4, 3]], [[9, 3, 8, 4], [5, 6]]
+    out_local, out_remote = sort_block_pairs(local, remote)
+    # The first group already ascends: the same lists, not copies.
+    assert out_local[0] is local[0] and out_remote[0] is remote[0]
+    # The second does not: sorted with its pairs.
+    assert (out_local[1], out_remote[1]) == ([3, 4], [6, 5])
+
+
+@pytest.mark.cpu_test
 @pytest.mark.parametrize(
     "local,remote",
     [
@@ -79,7 +89,13 @@ def test_read_posts_one_descriptor_per_run_on_both_sides(layout):
         descriptors = pull(decode, prefill, local, remote)
         # 3 runs consecutive on both sides ([2], [5-7], [11-12]) per region;
         # posted in the request's order it would be 6 per region.
-        assert descriptors == regions * _runs(list(zip(local, remote))) == regions * 3
+        runs = _runs(list(zip(local, remote)))
+        print(
+            f"{layout}: {regions} region(s), {len(local)} blocks in {runs} runs: "
+            f"{descriptors} descriptors posted "
+            f"({regions * len(local)} in the block table's order)"
+        )
+        assert descriptors == regions * runs == regions * 3
         for name, cache in d_caches.items():
             assert torch.equal(cache[local], p_caches[name][remote]), name
             others = [b for b in range(cache.shape[0]) if b not in local]
