@@ -272,6 +272,7 @@ def _start_fields(model: TinyModel, role: str, **kw: Any) -> dict[str, Any]:
         "model": str(make(model)),
         "role": role,
         "block_size": model.block_size,
+        "attention_backend": model.backend,
         "max_model_len": MAX_MODEL_LEN,
         "num_blocks": model.kv_groups * MAX_MODEL_LEN // model.block_size
         + SPARE_BLOCKS,

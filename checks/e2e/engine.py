@@ -71,8 +71,13 @@ def start(
     max_model_len: int = 2048,
     prefix_caching: bool = True,
     num_blocks: int | None = None,
+    attention_backend: str | None = None,
 ) -> Any:
-    """Build the engine. ``role`` "single" has no connector."""
+    """Build the engine. ``role`` "single" has no connector.
+
+    ``attention_backend`` pins the backend: on a CPU with AMX the platform
+    would pick AMX_MLA for an MLA model, which takes bfloat16 weights only.
+    """
     from vllm.config import KVTransferConfig
 
     from vllm import LLM
@@ -91,6 +96,8 @@ def start(
         kwargs["block_size"] = block_size
     if num_blocks is not None:  # a small pool: freed blocks come back soon
         kwargs["num_gpu_blocks_override"] = num_blocks
+    if attention_backend:
+        kwargs["attention_backend"] = attention_backend
     return LLM(
         model=model,
         skip_tokenizer_init=True,

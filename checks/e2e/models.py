@@ -27,8 +27,9 @@ class TinyModel:
     config_class: str  # in transformers
     model_class: str
     config: dict[str, Any] = field(hash=False)
-    # What the CPU platform runs it with (CPU_MLA: block size 16, no prefix
-    # caching; CPU_ATTN: LBHNC).
+    # The attention backend the engines are started with (CPU_MLA: block
+    # size 16, no prefix caching; CPU_ATTN: LBHNC). Pinned: on a CPU with AMX
+    # the platform would pick AMX_MLA, which takes bfloat16 weights only.
     backend: str = ""
     # The block size the backend takes: CPU_ATTN multiples of 32, CPU_MLA 16.
     block_size: int = 16
