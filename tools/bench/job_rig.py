@@ -151,7 +151,7 @@ def cpu_seconds(procs: Sequence[Proc]) -> float:
     """CPU seconds (user + system) this process and its children have used.
 
     The live ``procs`` from /proc; children that have exited and been waited
-    for (closed ``Proc`` processes, the rolling upgrade's tree processes)
+    for (closed ``Proc`` processes, the mixed pair's tree processes)
     from ``os.times()``, so a step that closes processes counts what they
     used instead of going negative.
     """

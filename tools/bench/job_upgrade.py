@@ -37,7 +37,9 @@ MODEL = "glm53-mtp"
 PAIRS = (("stock", "stock"), ("stock", "fork"), ("fork", "stock"), ("fork", "fork"))
 LABELS = {"stock": "stock 0.33.0", "fork": "series"}
 TEXT = (
-    "Rolling upgrade: GLM-5.3 + MTP with no layout or block size set, each "
+    "Mixed pair (stock 0.33.0 and the fork; the same version, so the "
+    "compatibility hash accepts it): GLM-5.3 + MTP with no layout or block "
+    "size set, each "
     "side in a process of its own tree, which resolves its own layout (as on "
     "CUDA) and registers it with a real pull worker; the decoder handshakes "
     "with the prefiller's payload (compatibility hash checked) and reads the "

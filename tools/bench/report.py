@@ -535,7 +535,7 @@ def upgrade_lines(payload: dict[str, Any], fmt: Any) -> list[str]:
     if not rows:
         return []
     text = payload["rolling_upgrade"]["text"]
-    lines = ["Rolling upgrade (P and D from different trees)", "", text, ""]
+    lines = ["Mixed pair (P and D from different trees)", "", text, ""]
     return lines + fmt([UPGRADE_HEAD, *(_upgrade_cells(r, rows) for r in rows)])
 
 
