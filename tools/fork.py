@@ -534,15 +534,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except CoverError as exc:
             raise ForkError(f"export: {exc}") from None
+        texts.update((c, c.read_text(encoding="utf-8")) for c in covers)
         print(f"export: {len(covers)} cover letter(s) in {_rel(dest.resolve())}")
     rfc = TREE / RFC_DOC
     if rfc.is_file():
         dest = stack_dir(out_dir, "layout") / "RFC-issue.md"
-        dest.write_text(rfc_issue(rfc.read_text(encoding="utf-8")), encoding="utf-8")
-        texts[dest] = dest.read_text(encoding="utf-8")
+        texts[dest] = rfc_issue(rfc.read_text(encoding="utf-8"))
+        dest.write_text(texts[dest], encoding="utf-8")
         print(f"export: the RFC as an issue in {_rel(dest.resolve())}")
-    # A reviewer has the vLLM tree, not this project: no description may
-    # send them to the project's tools/.
+    # A reviewer has the vLLM tree, not this project: no commit message,
+    # cover or RFC text may send them to the project's tools/.
     cited = [_rel(path) for path, text in texts.items() if "tools/" in text]
     if cited:
         raise ForkError(f"export: {', '.join(cited)} cite tools/ of this project")

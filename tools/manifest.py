@@ -71,12 +71,9 @@ class Manifest:
 
     patches: list[Patch]
 
-    def stack(self, name: str) -> list[Patch]:
-        """The patches of one stack, in order."""
-        return [p for p in self.patches if p.stack == name]
-
     @property
     def exported(self) -> list[Patch]:
+        """The patches ``fork.py export`` writes, in order."""
         return [p for p in self.patches if p.stack in EXPORTED_STACKS]
 
 

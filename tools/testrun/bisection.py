@@ -30,7 +30,7 @@ from testrun.common import (
 )
 from testrun.lint import MARKDOWNLINT, lint_files, lint_in
 from testrun.pytest_runs import run_pytest
-from testrun.suites import SUITES
+from testrun.suites import SUITES, file_markers
 
 BISECT_LINTS = ("lint:ruff-check", "lint:ruff-format", "lint:mypy",
                 "lint:spdx-header", "lint:markdownlint")  # fmt: skip
@@ -225,7 +225,6 @@ def bisect_prefix(
     # only the tests the patch changes: HEAD runs the whole file. One
     # pytest run, no xdist: a worker costs more to start (it imports
     # torch and vLLM) than the few tests of a patch take.
-    markers = {p: s.marker for s in SUITES for p in s.paths if s.marker}
     upstream = {t for t in tests if git_ok("cat-file", "-e", f"{BASE_TAG}:tests/{t}")}
     nodes = [
         node
@@ -234,9 +233,8 @@ def bisect_prefix(
     ]
     if nodes:
         sub = run_pytest(res.name, nodes, None, 0, log, wenv,
-                         cwd=worktree / "tests", file_markers={
-                             t: markers[t] for t in tests if t in markers
-                         })  # fmt: skip
+                         cwd=worktree / "tests",
+                         file_markers=file_markers(tests))  # fmt: skip
         res.passed, res.failed, res.skipped = (
             sub.passed, sub.failed, sub.skipped
         )  # fmt: skip

@@ -28,7 +28,7 @@ from testrun.common import (
     run_logged,
     tail,
 )
-from testrun.suites import CPU_JOB, SUITES, Suite
+from testrun.suites import CPU_JOB, Suite, file_markers
 
 
 def cpu_job_commands() -> list[list[str]]:
@@ -313,12 +313,7 @@ def run_stack1(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         and f.endswith(".py")
         and "/nixl_integration/" not in f
     ]
-    markers = {
-        p: suite_marker
-        for p in paths
-        for s in SUITES
-        if s.kind == "pytest" and p in s.paths and (suite_marker := s.marker)
-    }
+    markers = file_markers(paths)
     env = dict(env, PYTHONPATH=pythonpath(STACK1_TREE))
     res = run_pytest(
         suite.name, paths, None, suite.workers, log, env,

@@ -110,6 +110,13 @@ SUITES: list[Suite] = [
     Suite("e2e", "e2e"),
 ]  # fmt: skip
 
+
+def file_markers(paths: list[str]) -> dict[str, str]:
+    """The marker each of ``paths`` runs with in its pytest suite, if any."""
+    markers = {p: s.marker for s in SUITES for p in s.paths if s.marker}
+    return {p: markers[p] for p in paths if p in markers}
+
+
 # The series' CPU job in the fork's Buildkite config (it also runs upstream's
 # test_nixl_desc_geometry.py: stock 254 passed).
 CPU_JOB = (
