@@ -53,6 +53,12 @@ _SPARSE = (
 )
 _DENSE = ("vllm.v1.attention.backends.mla.flashmla:FlashMLABackend",)
 BACKENDS = {"dsv32": _SPARSE, "glm53-mtp": _SPARSE, "mla-swa": _DENSE}
+# Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads): FlashAttention
+# on CUDA, or a backend that takes LBHNC only (``backend="cpu"``: CPU_ATTN).
+GQA_MODELS = {"llama8b"}
+_FLASH_ATTN = ("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",)
+_CPU_ATTN = ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",)
+BACKENDS |= {"llama8b": _FLASH_ATTN}
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class Config:
         layout: ``VLLM_KV_CACHE_LAYOUT``, or None.
         multi: MultiConnector[NixlConnector, ExampleConnector] instead of
             NixlConnector alone.
+        backend: ``cpu``: the attention backend is CPU_ATTN (LBHNC only)
+            instead of the model's CUDA one.
 
     """
 
@@ -77,6 +85,7 @@ class Config:
     block_size: int | None = None
     layout: str | None = None
     multi: bool = False
+    backend: str | None = None
 
     @property
     def label(self) -> str:
@@ -85,6 +94,7 @@ class Config:
             f"bs{self.block_size}" if self.block_size else "",
             f"env={self.layout}" if self.layout else "",
             "multi" if self.multi else "",
+            f"attn={self.backend}" if self.backend else "",
         ]
         return "+".join([self.tree, self.model, *filter(None, extras)])
 
@@ -145,6 +155,15 @@ CROSS_CASES: list[Pair] = [
     Pair(_fork(model="dsv32"), _fork(model="dsv32", layout="LBNHC")),
     Pair(_fork(model="mla-swa"), _fork(model="mla-swa", layout="LBNHC")),
     Pair(_fork(model="dsv32", multi=True), _fork(model="dsv32")),
+    # GQA (issue 39): the fork's BHLNC rows against the LBHNC pages of a
+    # backend that takes only LBHNC, of a user-set layout and of a user-set
+    # block size (the preference is off there), both ways. Stock resolves
+    # LBHNC for all of them.
+    *_both_ways(_fork(model="llama8b"), _fork(model="llama8b", backend="cpu")),
+    *_both_ways(_fork(model="llama8b"), _fork(model="llama8b", layout="LBHNC")),
+    Pair(_fork(model="llama8b"), _fork(model="llama8b", block_size=64)),
+    Pair(_fork(model="llama8b", block_size=32), _fork(model="llama8b")),
+    Pair(_fork(model="llama8b"), _fork(model="llama8b", block_size=128)),
 ]
 
 
@@ -191,12 +210,13 @@ class _Side:
 
     @contextmanager
     def _settings(self) -> Iterator[None]:
-        """The user's environment, on an MLA model (every family here)."""
+        """The user's environment, on the model (MLA unless ``GQA_MODELS``)."""
         from unittest.mock import patch
 
         from vllm.config.model import ModelConfig
 
-        mla = property(lambda self: True)
+        use_mla = self.config.model not in GQA_MODELS
+        mla = property(lambda self: use_mla)
         c = self.config
         env = {"VLLM_KV_CACHE_LAYOUT": c.layout} if c.layout else {}
         with (
@@ -221,11 +241,12 @@ class _Side:
 
         c = self.config
         classes = []
-        for path in BACKENDS[c.model]:
+        for path in _CPU_ATTN if c.backend == "cpu" else BACKENDS[c.model]:
             module, _, name = path.partition(":")
             classes.append(getattr(__import__(module, fromlist=[name]), name))
         supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
-        tiny = build_zoo_layout(f"{c.model}/BLHNC", num_blocks=16)
+        base = "LBHNC" if c.model in GQA_MODELS else "BLHNC"
+        tiny = build_zoo_layout(f"{c.model}/{base}", num_blocks=16)
         specs = []
         for group in tiny.kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
@@ -390,9 +411,16 @@ class _Side:
             for i, d_block in enumerate(local[group]):
                 got = _page_bytes(view, d_block)
                 # A D block holds `ratio` P blocks of the same group, in order.
-                want = b"".join(
+                parts = [
                     base64.b64decode(pages[name][str(p)])
                     for p in remote[group][i * ratio : (i + 1) * ratio]
+                ]
+                want = (
+                    _tokens_in_place(parts, view)
+                    if ratio > 1
+                    and view.ndim == 4
+                    and self.layout_name.endswith("/BHLNC")
+                    else b"".join(parts)
                 )
                 checked += 1
                 wrong += got[: len(want)] != want
@@ -517,6 +545,20 @@ class _Side:
             "wrong_layers": sum(got[name] != want.get(name) for name in got),
             "outside_clean": not any(bool(raw.any()) for raw in self.device_raws),
         }
+
+
+def _tokens_in_place(parts: list[bytes], view) -> bytes:
+    """A BHLNC ``[B, H, N, C]`` page made of smaller blocks' pages: each
+    head's tokens of every part, in order (no receive post-process reorders
+    them, unlike a head-major LBHNC page, which holds the parts whole)."""
+    import torch
+
+    heads, width = view.shape[1], view.shape[3] * view.element_size()
+    tensors = [
+        torch.frombuffer(bytearray(part), dtype=torch.uint8).view(heads, -1, width)
+        for part in parts
+    ]
+    return torch.cat(tensors, dim=1).numpy().tobytes()
 
 
 def _page_bytes(view, block: int) -> bytes:

@@ -83,6 +83,23 @@ gpt-oss/LBNHC                   2        gpt-oss: GQA sliding (128) and full
                                          (``use_mla=False``); two groups whose
                                          layer pairs alias: L/2 regions.
 gpt-oss/BLHNC                   2        The same, block-outermost.
+gpt-oss/LBHNC                   2        The same, head-major pages (what NIXL
+                                         requires for non-MLA models in 0.33.0).
+gpt-oss/BHLNC                   1        The same, head-major rows ([B, H, L, N,
+                                         C]): the fork's preference for non-MLA
+                                         models; the two groups alias each row.
+llama/LBHNC                     4        Llama-3.1-70B-like dense GQA, one TP=8
+                                         rank's share (one KV head): L regions.
+llama/BHLNC                     4        The same, BHLNC rows: with one head a
+                                         layer's page is contiguous in the row
+                                         and stock registers it page by page;
+                                         the fork registers the row: 1.
+llama8b/LBHNC                   4        Llama-3.1-8B-like: 8 KV heads, built
+                                         per TP rank (``tp_size`` shares them,
+                                         ``HEAD_SHARDED``): L regions.
+llama8b/BHLNC                   1        The same, BHLNC rows; heterogeneous TP
+                                         reads a head slice of each row (the
+                                         fork; stock refuses it).
 gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
                                          ``kv_buffer_device="cpu"``: per-layer
                                          host buffers for layers whose device
@@ -199,8 +216,10 @@ What could not be built as asked, and why:
   the Mamba page is padded to the attention page (as vLLM's hybrid config
   does), and ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` is set while the specs are
   built and the worker is constructed (the worker asserts it).
-* Head-sharded families (gpt-oss, nemotron-h) are planned with all KV heads on
-  one rank (TP=1); pass ``tp_size > 1`` only with MLA layouts.
+* Head-sharded families (gpt-oss, nemotron-h, llama) are planned with the
+  same KV heads at every TP size; only ``HEAD_SHARDED`` families (llama8b)
+  give each rank ``1 / tp_size`` of them, so pass ``tp_size > 1`` with those
+  or with MLA layouts.
 
 Fakes in ``make_zoo_worker``: the attention backends (a ``MagicMock`` per
 layout), the TP rank/size getters, ``current_platform.discover_numa_topology``
@@ -360,6 +379,10 @@ _RECIPES: dict[str, _Recipe] = {
     "gqa-mixed/BLHNC": _Recipe("gqa-mixed", KVCacheLayout.BLHNC),
     "llama/LBHNC": _Recipe("llama", KVCacheLayout.LBHNC),
     "gpt-oss/LBHNC": _Recipe("gpt-oss", KVCacheLayout.LBHNC),
+    "gpt-oss/BHLNC": _Recipe("gpt-oss", KVCacheLayout.BHLNC),
+    "llama/BHLNC": _Recipe("llama", KVCacheLayout.BHLNC),
+    "llama8b/LBHNC": _Recipe("llama8b", KVCacheLayout.LBHNC),
+    "llama8b/BHLNC": _Recipe("llama8b", KVCacheLayout.BHLNC),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
     "hisparse-glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, hisparse=True),
     "glm53-mtp+host-staging/BLHNC": _Recipe(
@@ -640,6 +663,24 @@ def _llama_specs(
     return {f"model.layers.{i}.self_attn.attn": spec for i in layers}
 
 
+# Llama-3.1-8B: 8 KV heads of 128, bf16: every head on one TP=1 worker, half
+# of them on each TP=2 worker (``build_zoo_layout(tp_size=...)``).
+_LLAMA8B_KV_HEADS = 8
+
+
+def _llama8b_specs(
+    layers: range, block_size: int, scale: int, num_layers: int, mtp: bool
+) -> dict[str, KVCacheSpec]:
+    """Llama-3.1-8B-like dense GQA: all 8 KV heads (TP=1)."""
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=_LLAMA8B_KV_HEADS,
+        head_size=_scaled(_LLAMA_HEAD, scale),
+        dtype=torch.bfloat16,
+    )
+    return {f"model.layers.{i}.self_attn.attn": spec for i in layers}
+
+
 _NEMOTRON_KV_HEADS = 2
 _NEMOTRON_HEAD = 128
 
@@ -693,12 +734,17 @@ def _nemotron_h_specs(
     }
 
 
+# Families whose layouts are built per TP rank: ``tp_size`` shares the KV
+# heads (the others hold the same heads at every TP size).
+HEAD_SHARDED = {"llama8b"}
+
 # Total KV heads of the head-sharded (non-MLA) families.
 _KV_HEADS = {
     "gpt-oss": _GPT_OSS_KV_HEADS,
     "gqa-mixed": _GPT_OSS_KV_HEADS,
     "nemotron-h": _NEMOTRON_KV_HEADS,
     "llama": _LLAMA_KV_HEADS_PER_RANK,
+    "llama8b": _LLAMA8B_KV_HEADS,
 }
 
 _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
@@ -711,6 +757,7 @@ _FAMILIES: dict[str, tuple[_SpecBuilder, str, bool]] = {
     "gpt-oss": (_gpt_oss_specs, "FLASH_ATTN", False),
     "gqa-mixed": (_gqa_mixed_specs, "FLASH_ATTN", False),
     "llama": (_llama_specs, "FLASH_ATTN", False),
+    "llama8b": (_llama8b_specs, "FLASH_ATTN", False),
     "nemotron-h": (_nemotron_h_specs, "FLASH_ATTN", False),
     "dsv4": (zoo_models.dsv4_specs, "FLASHMLA_SPARSE_DSV4", True),
     "dsv41": (zoo_models.dsv41_specs, "FLASHMLA_SPARSE_DSV41", True),
@@ -737,6 +784,7 @@ def _worker_specs(
     scale: int,
     backend: MagicMock,
     permute_seed: int | None,
+    tp_size: int = 1,
 ) -> list[dict[str, KVCacheSpec]]:
     """Per-worker spec dicts (one per PP stage), as the model runner reports.
 
@@ -750,6 +798,15 @@ def _worker_specs(
         start, end = get_pp_indices(num_layers, stage, pp_size)
         last = stage == pp_size - 1
         specs = build(range(start, end), block_size, scale, num_layers, False)
+        if recipe.family in HEAD_SHARDED:
+            # Each TP rank holds its share of the KV heads (replicated where
+            # there are fewer heads than ranks).
+            specs = {
+                name: replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp_size))
+                if isinstance(spec, AttentionSpec)
+                else spec
+                for name, spec in specs.items()
+            }
         if recipe.mtp and last:
             draft = build(range(0), block_size, scale, num_layers, True)
             specs |= {
@@ -930,6 +987,7 @@ def build_zoo_layout(
     block_size: int | None = None,
     permute_seed: int | None = None,
     scale: int = 4,
+    tp_size: int = 1,
 ) -> ZooLayout:
     """Plan and allocate one zoo layout with vLLM's own code.
 
@@ -944,6 +1002,8 @@ def build_zoo_layout(
             (see the module docstring).
         scale: Divide the real per-token bytes by this (1, 2 or 4); the
             families of ``zoo_models`` always have their real page sizes.
+        tp_size: TP size of the worker: the ranks of a ``HEAD_SHARDED``
+            family each hold ``1 / tp_size`` of its KV heads.
 
     Returns:
         The layout: the runner's ``kv_caches`` dict, its config and raws.
@@ -983,6 +1043,7 @@ def build_zoo_layout(
             scale=scale,
             backend=backend,
             permute_seed=permute_seed,
+            tp_size=tp_size,
         )
     kv_cache_config, kv_caches = _plan_and_allocate(
         recipe, worker_specs, config, num_blocks

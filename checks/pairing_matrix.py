@@ -45,6 +45,7 @@ from typing import Any
 from unittest.mock import patch
 
 from checks.layout_zoo import (
+    HEAD_SHARDED,
     ZOO,
     ZooLayout,
     build_zoo_layout,
@@ -110,6 +111,25 @@ STOCK_CORRUPTS: dict[str, tuple[str, str | None]] = {
         )
         for variant in ("same", "num-blocks")
     },
+    # GQA block rows (BHLNC) whose layers P's and D's planners placed in
+    # another order: 0.33.0 reads whole rows into rows of another order (no
+    # row layout is advertised for non-MLA rows); every layer page lands in
+    # another layer's place. The fork reads them head page by head page.
+    **{
+        f"{model}/BHLNC->{model}/BHLNC:permuted": (
+            "whole GQA rows read across layer orders",
+            None,
+        )
+        for model in ("gpt-oss", "llama8b")
+    },
+    # The same rows with P's blocks half D's: 0.33.0 reads each P row into
+    # one half of D's row, where a layer's tokens of a head are spread over
+    # the whole row (16 of 16 layer pages wrong). The fork reads them head
+    # page by head page, each P block at its tokens' place.
+    "gpt-oss/BHLNC->gpt-oss/BHLNC:block-size": (
+        "whole GQA rows read across block sizes",
+        None,
+    ),
     "nemotron-h/LBNHC->nemotron-h/LBNHC:permuted": (
         "P and D number the transfer groups differently; groups pair by index",
         None,
@@ -147,6 +167,7 @@ class Side:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             permute_seed=self.permute_seed,
+            tp_size=self.tp_size,
         )
 
 
@@ -159,13 +180,24 @@ class Case:
     decode: Side
 
 
+def _head_sharded(layout: str) -> bool:
+    return layout.split("/")[0] in HEAD_SHARDED
+
+
 def _variants(p: str, d: str) -> list[tuple[str, Side, Side]]:
     cases = [
         ("same", Side(p), Side(d)),
         ("num-blocks", Side(p), Side(d, num_blocks=NUM_BLOCKS + 16)),
         ("permuted", Side(p, permute_seed=1), Side(d, permute_seed=2)),
     ]
-    if p not in _NON_MLA:
+    if _head_sharded(p):
+        # Heterogeneous TP: D rank 1 of 2 holds half of P's KV heads; D of
+        # TP 1 reads its heads from both ranks of a TP 2 prefiller.
+        cases += [
+            ("d-tp2", Side(p), Side(d, tp_size=2, tp_rank=1)),
+            ("p-tp2", Side(p, tp_size=2), Side(d)),
+        ]
+    elif p not in _NON_MLA:
         cases += [
             ("block-size", Side(p, block_size=32), Side(d)),
             ("d-tp2", Side(p), Side(d, tp_size=2, tp_rank=1)),
@@ -226,6 +258,9 @@ PAIRS = [
     ("mla-swa/LBNHC", "mla-swa/BLHNC"),
     ("glm53-mtp+host-staging/LBNHC", "glm53-mtp/BLHNC"),
     ("dsv32-pp2-stage0/BLHNC", "dsv32/BLHNC"),
+    # GQA rows (BHLNC) and pages (LBHNC) read each other head by head.
+    ("llama8b/LBHNC", "llama8b/BHLNC"),
+    ("llama8b/BHLNC", "llama8b/LBHNC"),
 ]
 CASES = (
     [
@@ -508,6 +543,115 @@ def _uninitialised_empty() -> Iterator[None]:
         yield
 
 
+def _ratio_truth(d_layout, p_layout, decode, local, remote, ratio: int, raws) -> dict:
+    """``_truth`` where a D block holds ``ratio`` P blocks, for head-sharded
+    ``[B, H, N, C]`` views: the k-th ``N_p`` tokens of each D block against
+    the k-th P block; then D's pages are zeroed and the rest checked.
+
+    An LBHNC decoder holds the k-th P block as the k-th ``1 / ratio`` of its
+    page until the engine's receive post-process sorts the tokens
+    (``kv_postprocess_blksize_on_receive``, not run here): checked so.
+    """
+    import torch
+
+    chunked = d_layout.kv_cache_layout == "LBHNC"
+
+    groups = decode.kv_cache_config.transfer_group_index_by_layer
+    pages = wrong = 0
+    for name, view in d_layout.kv_caches.items():
+        p_view = p_layout.kv_caches.get(name)
+        if name not in groups or view.ndim != 4 or p_view is None:
+            continue
+        tokens = p_view.shape[2]
+        group = groups[name]
+        for i, d_block in enumerate(local[group]):
+            pages += 1
+            p_blocks = remote[group][i * ratio : (i + 1) * ratio]
+            if chunked:
+                got = [view[d_block].contiguous().view(torch.uint8).flatten()]
+                want = [
+                    torch.cat(
+                        [
+                            p_view[p].contiguous().view(torch.uint8).flatten()
+                            for p in p_blocks
+                        ]
+                    )
+                ]
+            else:
+                got = [
+                    view[d_block, :, k * tokens : (k + 1) * tokens]
+                    .contiguous()
+                    .view(torch.uint8)
+                    for k in range(len(p_blocks))
+                ]
+                want = [p_view[p].contiguous().view(torch.uint8) for p in p_blocks]
+            wrong += not all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for name, view in d_layout.kv_caches.items():
+        if name in groups and view.ndim == 4:
+            for d_block in local[groups[name]]:
+                view[d_block].zero_()
+    return {
+        "pages": pages,
+        "wrong_pages": wrong,
+        "foreign_bytes": None,
+        "outside_clean": not any(bool(raw.any()) for raw in raws),
+    }
+
+
+def _prefill_ranks(case: Case) -> list[int]:
+    """The prefill TP ranks D reads: every rank holding some of its KV heads
+    (a head-sharded P of a larger TP), else the case's one rank."""
+    p, d = case.prefill, case.decode
+    if not _head_sharded(p.layout) or p.tp_size <= d.tp_size:
+        return [p.tp_rank]
+    per_rank = p.tp_size // d.tp_size
+    return list(range(d.tp_rank * per_rank, (d.tp_rank + 1) * per_rank))
+
+
+def _head_truth(d_layout, p_layouts, case, decode, local, remote, raws) -> dict:
+    """``_truth`` for heterogeneous TP of a head-sharded model: each KV head
+    of D's ``[B, H, N, C]`` views against the P rank that holds it."""
+    import torch
+
+    def rank_heads(total: int, tp_size: int, rank: int) -> range:
+        # Tree-independent (stock has no head_pages); total >= tp_size here.
+        per_rank = total // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
+    p, d = case.prefill, case.decode
+    total = decode.transfer_topo.total_num_kv_heads
+    d_heads = rank_heads(total, d.tp_size, d.tp_rank)
+    p_ranks = _prefill_ranks(case)
+    p_heads = [rank_heads(total, p.tp_size, rank) for rank in p_ranks]
+    groups = decode.kv_cache_config.transfer_group_index_by_layer
+    pages = wrong = 0
+    for name, view in d_layout.kv_caches.items():
+        if name not in groups or view.ndim != 4:
+            continue
+        pairs = list(zip(local[groups[name]], remote[groups[name]], strict=False))
+        for d_block, p_block in pairs:
+            pages += 1
+            for h in d_heads:
+                i = next(i for i, heads in enumerate(p_heads) if h in heads)
+                want = p_layouts[i].kv_caches[name][p_block, h - p_heads[i].start]
+                got = view[d_block, h - d_heads.start]
+                if not torch.equal(
+                    got.contiguous().view(torch.uint8),
+                    want.contiguous().view(torch.uint8),
+                ):
+                    wrong += 1
+                    break
+        for d_block, _ in pairs:
+            view[d_block].zero_()
+    return {
+        "pages": pages,
+        "wrong_pages": wrong,
+        "foreign_bytes": None,
+        "outside_clean": not any(bool(raw.any()) for raw in raws),
+        "untouched": _clear_views(d_layout, decode, raws),
+    }
+
+
 def _failure(out: dict[str, Any], step: str, e: BaseException) -> dict[str, Any]:
     out["error"] = f"{step}: {_error(e)}"
     out["message"] = str(e)[:600]
@@ -518,17 +662,21 @@ def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake and pull one case; return what a user could observe."""
     from checks.layout_zoo import fill_pattern, zero
 
-    p_layout, d_layout = case.prefill.build(), case.decode.build()
+    p_ranks = _prefill_ranks(case)
+    p_layouts = [case.prefill.build() for _ in p_ranks]
+    p_layout, d_layout = p_layouts[0], case.decode.build()
     d_device_raws = list(d_layout.raws)  # before staging buffers join them
-    fill_pattern(p_layout, seed=7)
+    for i, layout in enumerate(p_layouts):
+        fill_pattern(layout, seed=7 + i)
     zero(d_layout)  # allocators may hand out uninitialised memory
     workers = []
     out: dict[str, Any] = {"accepted": False, "error": None}
     try:
-        for layout, side, engine in (
-            (p_layout, case.prefill, "prefill"),
-            (d_layout, case.decode, "decode"),
-        ):
+        sides = [
+            (layout, replace(case.prefill, tp_rank=rank), "prefill")
+            for layout, rank in zip(p_layouts, p_ranks, strict=True)
+        ] + [(d_layout, case.decode, "decode")]
+        for layout, side, engine in sides:
             try:
                 with _uninitialised_empty():
                     worker = make_zoo_worker(
@@ -541,19 +689,21 @@ def run_case(case: Case) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
                 return _failure(out, f"register {engine}", e)
             workers.append(worker)
-        prefill, decode = workers
+        *prefills, decode = workers
+        prefill = prefills[0]
         out["regions"] = [prefill.num_regions, decode.num_regions]
         # Host staging in one buffer mirroring the device row (fork only).
         out["mirrored"] = [
             getattr(w, "_host_rows", None) is not None for w in (prefill, decode)
         ]
         try:
-            connect(
-                decode,
-                prefill,
-                remote_tp_rank=case.prefill.tp_rank,
-                remote_tp_size=case.prefill.tp_size,
-            )
+            for worker, rank in zip(prefills, p_ranks, strict=True):
+                connect(
+                    decode,
+                    worker,
+                    remote_tp_rank=rank,
+                    remote_tp_size=case.prefill.tp_size,
+                )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             return _failure(out, "handshake", e)
         rng = random.Random(11)
@@ -566,7 +716,7 @@ def run_case(case: Case) -> dict[str, Any]:
                 prefill,
                 local,
                 remote,
-                remote_rank=case.prefill.tp_rank,
+                remote_rank=p_ranks[0],
                 remote_tp_size=case.prefill.tp_size,
                 num_tokens=4 * ratio * p_layout.block_size,
                 staging_copies=True,
@@ -574,7 +724,18 @@ def run_case(case: Case) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             return _failure(out, "read", e)
         digest = _digest(d_layout.kv_caches)
-        if ratio == 1:
+        if case.prefill.tp_size != case.decode.tp_size and _head_sharded(
+            case.prefill.layout
+        ):
+            truth = _head_truth(
+                d_layout, p_layouts, case, decode, local, remote, d_device_raws
+            )
+        elif ratio != 1 and not p_layout.use_mla:
+            truth = _ratio_truth(
+                d_layout, p_layout, decode, local, remote, ratio, d_device_raws
+            )
+            truth["untouched"] = _clear_views(d_layout, decode, d_device_raws)
+        elif ratio == 1:
             truth = _truth(
                 d_layout, p_layout, decode, prefill, local, remote, d_device_raws
             )

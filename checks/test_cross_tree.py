@@ -28,6 +28,14 @@ from checks.cross_tree import (  # noqa: E402
 from checks.real_nixl import probe_real_nixl  # noqa: E402
 
 OUT = ROOT / "build" / "checks" / "cross_tree.json"
+# KV heads of the GQA models of CROSS_CASES (llama8b) on one rank.
+GQA_HEADS = 8
+
+
+def _crosses_gqa_layouts(result: dict) -> bool:
+    """A BHLNC side and a per-layer LBHNC side (the fork reads head pages)."""
+    layouts = {name.split("/")[1] for name in result.get("layouts", ())}
+    return layouts == {"BHLNC", "LBHNC"}
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +78,19 @@ def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
     assert got["pages"] == want["pages"] > 0
     assert got["wrong_pages"] == 0, got
     assert got["outside_clean"] and got["untouched"], got
-    assert got["descriptors"] <= want["descriptors"], (got, want)
+    # GQA rows against pages (issue 39) read one descriptor per layer, KV
+    # head and block: at most the heads times stock's per-layer pages.
+    heads = GQA_HEADS if _crosses_gqa_layouts(got) else 1
+    assert got["descriptors"] <= heads * want["descriptors"], (got, want)
     # An 8-block run consecutive on both sides: exact too. Two instances of
     # one layout merge it; a row side and a per-layer side cannot (recorded,
     # and held to one descriptor per page region and block).
     assert got.get("run_wrong_pages") == want.get("run_wrong_pages") in (0, None)
     if got.get("run_descriptors") is not None:
-        assert got["run_descriptors"] <= 8 * want["run_descriptors"], (got, want)
+        assert got["run_descriptors"] <= 8 * heads * want["run_descriptors"], (
+            got,
+            want,
+        )
 
 
 @pytest.mark.parametrize("before_post", [True, False], ids=["before-post", "mid-read"])

@@ -41,6 +41,12 @@ PAIRS = [
     ("dsv2-fp8/BLHNC", "dsv2-fp8/BLHNC"),
     ("mla-swa/BLHNC", "mla-swa/BLHNC"),
     ("gpt-oss/BLHNC", "gpt-oss/BLHNC"),
+    # GQA (issue 39): LBHNC, what NIXL requires for them in 0.33.0, against
+    # BHLNC rows, the fork's preference (one KV head per rank: llama).
+    ("llama/LBHNC", "llama/LBHNC"),
+    ("llama/BHLNC", "llama/BHLNC"),
+    ("gpt-oss/LBHNC", "gpt-oss/LBHNC"),
+    ("gpt-oss/BHLNC", "gpt-oss/BHLNC"),
     ("nemotron-h/LBNHC", "nemotron-h/LBNHC"),
     ("glm53-mtp+host-staging/BLHNC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC"),

@@ -141,6 +141,31 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "local_block_ids, remote_block_ids\n        )",
         "local_block_ids, [g[::-1] for g in remote_block_ids]\n        )",
     ),
+    # A prefiller rank's heads read from its first head's place (heads of a
+    # rank other than 0 land wrong).
+    (
+        "v1/kv_connector/unit/test_nixl_head_pages.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/head_pages.py",
+        "+ (first - remote_heads.start) * there.head_stride,",
+        "+ first * there.head_stride,",
+    ),
+    # Heterogeneous TP on BHLNC rows refused again, as in 0.33.0.
+    (
+        "v1/kv_connector/unit/test_nixl_head_pages.py"
+        "::test_heads_land_across_layouts_and_tp",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "and not self._head_major_regions(nixl_agent_meta, kv_cache_layout)",
+        "",
+    ),
+    # The GQA preference taken after the connector's requirement (LBHNC).
+    (
+        "v1/kv_connector/unit/test_nixl_kv_cache_layout.py"
+        "::test_gqa_resolves_to_head_major_rows",
+        "vllm/v1/attention/backends/utils.py",
+        "elif (preferred := get_kv_connector_preferred_cache_layout(vllm_config)) and (",
+        "elif (preferred := get_kv_connector_preferred_cache_layout(vllm_config)) and "
+        "not get_kv_connector_cache_layout(vllm_config) and (",
+    ),
     (
         "v1/kv_connector/unit/test_nixl_region_coalescing.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",

@@ -43,7 +43,7 @@ def _pages() -> dict[str, HeadPage]:
 def test_a_row_reads_per_layer_pages_head_by_head():
     pieces = pair_head_pages(_row(), range(HEADS), _pages(), range(HEADS))
     assert pieces == [
-        HeadPiece(0, (h * LAYERS + i) * HEAD, i, h * HEAD, HEAD, 0)
+        HeadPiece(0, (h * LAYERS + i) * HEAD, i, h * HEAD, HEAD, HEAD, 0)
         for i in range(LAYERS)
         for h in range(HEADS)
     ]
@@ -56,7 +56,7 @@ def test_a_decoder_with_twice_the_tp_reads_its_half_of_the_heads():
     assert mine == range(2, 4)
     pieces = pair_head_pages(_row(), mine, _pages(), range(HEADS))
     assert pieces == [
-        HeadPiece(0, ((h - 2) * LAYERS + i) * HEAD, i, h * HEAD, HEAD, 0)
+        HeadPiece(0, ((h - 2) * LAYERS + i) * HEAD, i, h * HEAD, HEAD, HEAD, 0)
         for i in range(LAYERS)
         for h in mine
     ]
@@ -66,7 +66,9 @@ def test_a_decoder_with_twice_the_tp_reads_its_half_of_the_heads():
 def test_heads_contiguous_on_both_sides_are_one_piece():
     # Two LBHNC instances: D TP 1 reads P rank 1's two heads as one piece.
     pieces = pair_head_pages(_pages(), range(HEADS), _pages(), rank_heads(HEADS, 2, 1))
-    assert pieces == [HeadPiece(i, 2 * HEAD, i, 0, 2 * HEAD, 0) for i in range(LAYERS)]
+    assert pieces == [
+        HeadPiece(i, 2 * HEAD, i, 0, 2 * HEAD, 2 * HEAD, 0) for i in range(LAYERS)
+    ]
 
 
 @pytest.mark.cpu_test
@@ -81,12 +83,32 @@ def test_fewer_heads_than_ranks_are_replicated():
 
 @pytest.mark.cpu_test
 def test_a_peer_with_smaller_blocks_is_read_head_by_head():
-    # D's head page holds two of P's (16- and 8-token blocks).
-    local = {"l0": HeadPage(0, 0, HEAD, HEAD, 0)}
+    # D's head page holds two of P's (16- and 8-token blocks): each lands at
+    # its tokens' place in the head page (a BHLNC row).
+    local = {"l0": HeadPage(0, 0, 3 * HEAD, HEAD, 0)}
     peer = {"l0": HeadPage(0, 0, HEAD // 2, HEAD // 2, 0)}
     pieces = pair_head_pages(local, range(2), peer, range(2), block_size_ratio=2)
     assert pieces == [
-        HeadPiece(0, h * HEAD, 0, h * HEAD // 2, HEAD // 2, 0) for h in range(2)
+        HeadPiece(0, h * 3 * HEAD, 0, h * HEAD // 2, HEAD // 2, HEAD // 2, 0)
+        for h in range(2)
+    ]
+
+
+@pytest.mark.cpu_test
+def test_head_major_pages_take_smaller_blocks_in_chunks():
+    # An LBHNC page of 2 heads takes P's k-th 8-token block as its k-th half,
+    # heads in P's order (the receive post-process reorders the tokens).
+    local = {"l0": HeadPage(0, 0, HEAD, HEAD, 0)}
+    row = {"l0": HeadPage(0, 0, 3 * HEAD // 2, HEAD // 2, 0)}  # P: BHLNC row
+    pieces = pair_head_pages(local, range(2), row, range(2), 2, chunked=True)
+    assert pieces == [
+        HeadPiece(0, h * HEAD // 2, 0, h * 3 * HEAD // 2, HEAD // 2, HEAD, 0)
+        for h in range(2)
+    ]
+    # From LBHNC pages, a chunk is P's whole page: one piece.
+    pages = {"l0": HeadPage(0, 0, HEAD // 2, HEAD // 2, 0)}
+    assert pair_head_pages(local, range(2), pages, range(2), 2, chunked=True) == [
+        HeadPiece(0, 0, 0, 0, HEAD, HEAD, 0)
     ]
 
 

@@ -51,8 +51,9 @@ class HeadPiece:
         local_offset: Bytes from the local region's block start.
         remote_region: Remote region index.
         remote_offset: Bytes from the remote region's block start.
-        length: Bytes per remote block (a local block of the piece holds
-            ``block_size_ratio`` of them, one after the other).
+        length: Bytes per remote block.
+        spacing: Bytes from one remote block's bytes to the next in a local
+            block (a local block holds ``block_size_ratio`` remote ones).
         group: Transfer group of the layer.
 
     """
@@ -62,6 +63,7 @@ class HeadPiece:
     remote_region: int
     remote_offset: int
     length: int
+    spacing: int
     group: int
 
 
@@ -84,6 +86,7 @@ def pair_head_pages(
     remote: Mapping[str, HeadPage],
     remote_heads: range,
     block_size_ratio: int = 1,
+    chunked: bool = False,
 ) -> list[HeadPiece]:
     """The pieces that read the remote rank's share of the local heads.
 
@@ -97,6 +100,11 @@ def pair_head_pages(
         remote_heads: The heads the remote rank holds.
         block_size_ratio: This instance's block size over the remote's; a
             local head page then holds that many remote ones.
+        chunked: With ``block_size_ratio > 1``, the local side takes the
+            k-th remote block as the k-th ``1 / block_size_ratio`` of each
+            layer page, heads in the remote block's order, as the receive
+            post-process of head-major pages (LBHNC) expects; else each
+            remote block lands at its tokens' place in each head page.
 
     Returns:
         The pieces, in local layer order then head order.
@@ -132,25 +140,33 @@ def pair_head_pages(
                 f"{there.head_bytes} B on the peer (block size ratio "
                 f"{block_size_ratio})"
             )
+        chunk = chunked and block_size_ratio > 1
+        if chunk and here.head_stride != here.head_bytes:
+            raise HeadMismatch(f"the KV heads of {name!r} are not one page here")
+        # In a chunk, local heads are a remote head page apart.
+        local_stride = there.head_bytes if chunk else here.head_stride
         # Heads that follow one another on both sides are one piece (a
-        # local block split into remote blocks keeps each head apart).
+        # local block split into remote blocks keeps each head apart unless
+        # the local side takes them in chunks).
         run = (
             len(heads)
-            if block_size_ratio == 1
-            and here.head_stride == here.head_bytes
+            if (block_size_ratio == 1 or chunk)
+            and local_stride == there.head_bytes
             and there.head_stride == there.head_bytes
             else 1
         )
         for first in range(heads.start, heads.stop, run):
+            length = run * there.head_bytes
             pieces.append(
                 HeadPiece(
                     local_region=here.region,
                     local_offset=here.offset
-                    + (first - local_heads.start) * here.head_stride,
+                    + (first - local_heads.start) * local_stride,
                     remote_region=there.region,
                     remote_offset=there.offset
                     + (first - remote_heads.start) * there.head_stride,
-                    length=run * there.head_bytes,
+                    length=length,
+                    spacing=len(local_heads) * there.head_bytes if chunk else length,
                     group=here.group,
                 )
             )
