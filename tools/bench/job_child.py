@@ -89,7 +89,12 @@ class Child:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
         self.prefill: Side | None = None
+        # Every prefiller rank the decoder reads (heterogeneous TP: several).
+        self.prefills: list[Side] = []
         self.decode: Side | None = None
+        # KV heads of the decoder's rank and of each prefiller rank (head-
+        # sharded models at heterogeneous TP), else None.
+        self.heads: tuple[range, list[range]] | None = None
         self.transfers: list[Any] = []
         self.used_pairs: set[str] = set()
         self.disjoint_groups = False
@@ -239,8 +244,15 @@ class Child:
         model_geometry: bool = False,
         num_layers: int | None = None,
         disjoint_groups: bool = False,
+        p_tp: int = 1,
+        d_tp: int = 1,
     ) -> dict[str, Any]:
         """Build and connect the pair; report what it registered.
+
+        With ``p_tp``/``d_tp`` (head-sharded models) each side is built per TP
+        rank: the decoder as rank ``d_tp - 1``, and every prefiller rank that
+        holds some of its KV heads (``p_tp // d_tp`` of them when the
+        prefiller's TP is larger), each with its own worker and agent.
 
         With ``model_geometry`` the zoo model's own block size and layer count
         (``layout_zoo._MODEL_FAMILIES``) replace the job's. With
@@ -259,17 +271,41 @@ class Child:
             block_size=None if model_geometry else PAGE_TOKENS,
         )
         self.transfers = [Transfer(**t) for t in transfers]
-        p_layout = self._layout(p_name, "P", kwargs, seed)
-        d_layout = self._layout(d_name, "D", kwargs, seed)
+        d_rank = d_tp - 1
+        p_ranks = (
+            list(range(d_rank * (p_tp // d_tp), (d_rank + 1) * (p_tp // d_tp)))
+            if p_tp > d_tp
+            else [d_rank * p_tp // d_tp]
+        )
+        # Per-rank layouts are their own (never kept for another phase).
+        p_layouts = [
+            self._layout(
+                p_name,
+                "P" if p_tp == 1 else f"P{r}/tp{p_tp}",
+                kwargs | {"tp_size": p_tp},
+                seed + r,
+            )
+            for r in p_ranks
+        ]
+        p_layout = p_layouts[0]
+        d_layout = self._layout(
+            d_name,
+            "D" if d_tp == 1 else f"D/tp{d_tp}",
+            kwargs | {"tp_size": d_tp},
+            seed,
+        )
         staging = None
         if recipe and (pairing["p_stages"] or pairing["d_stages"]):
             # Only its configuration is used: a small pool (64 blocks: the
             # DeepSeek-V4 planner refuses fewer for its window and state groups).
             staging = zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 64}))
         sides = []
-        for role, layout, stages in (
-            ("P", p_layout, pairing["p_stages"]),
-            ("D", d_layout, pairing["d_stages"]),
+        for role, layout, stages, rank, tp in (
+            *(
+                ("P", layout, pairing["p_stages"], r, p_tp)
+                for layout, r in zip(p_layouts, p_ranks, strict=True)
+            ),
+            ("D", d_layout, pairing["d_stages"], d_rank, d_tp),
         ):
             raws = len(layout.raws)
             if stages:
@@ -288,6 +324,8 @@ class Child:
                 layout,
                 engine_id=f"{self.spec['key']}-{role}",
                 coalesce=self.coalesce,
+                tp_rank=rank,
+                tp_size=tp,
             )
             if stages and (not worker.use_host_buffer or worker.copy_blocks is None):
                 raise RuntimeError(f"{role}: the worker does not stage")
@@ -296,7 +334,16 @@ class Child:
             for raw in layout.raws[raws:]:
                 raw.zero_()
             sides.append(Side(worker, layout, stages, device_raws=raws))
-        self.prefill, self.decode = sides
+        *self.prefills, self.decode = sides
+        self.prefill = self.prefills[0]
+        self.p_tp = p_tp
+        self.heads = None
+        if p_tp != d_tp:
+            total = self.decode.worker.transfer_topo.total_num_kv_heads
+            self.heads = (
+                _rank_heads(total, d_tp, d_rank),
+                [_rank_heads(total, p_tp, r) for r in p_ranks],
+            )
         self.recorder.watch(self.decode.agent)
         info: dict[str, Any] = {
             "layout": {"prefiller": p_layout.name, "decoder": d_layout.name},
@@ -306,14 +353,22 @@ class Child:
                 "decoder": self.decode.registered(),
             },
             "raws": {
-                "P": [raw.numel() for raw in self.prefill.layout.raws],
+                "P": [
+                    raw.numel() for side in self.prefills for raw in side.layout.raws
+                ],
                 "D": [raw.numel() for raw in self.decode.layout.raws],
             },
         }
         from checks.real_nixl import connect
 
         try:
-            connect(self.decode.worker, self.prefill.worker)
+            for side, rank in zip(self.prefills, p_ranks, strict=True):
+                connect(
+                    self.decode.worker,
+                    side.worker,
+                    remote_tp_rank=rank,
+                    remote_tp_size=p_tp,
+                )
         except Exception as exc:  # noqa: BLE001 - the decoder refused the peer
             return info | {"refused": f"{type(exc).__name__}: {exc}"}
         if self.prefill.stages:
@@ -338,7 +393,7 @@ class Child:
         key = (name, role)
         if key not in self.layouts:
             layout = self.zoo.build_zoo_layout(name, **kwargs)
-            if role == "P":
+            if role.startswith("P"):
                 self.zoo.fill_pattern(layout, seed=seed)
             else:
                 self.zoo.zero(layout)
@@ -414,7 +469,12 @@ class Child:
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
-        from job_nixl import floor_offsets, verify_and_zero, zero_rows
+        from job_nixl import (
+            floor_offsets,
+            verify_and_zero,
+            verify_heads_and_zero,
+            zero_rows,
+        )
 
         from checks.real_nixl import pull_request
 
@@ -435,12 +495,23 @@ class Child:
         copier.evict()
         local_lists = self.group_lists(t.local_ids, decode.groups)
         remote_lists = self.group_lists(t.remote_ids, decode.groups)
-        result = pull_request(decode.worker, prefill.worker, local_lists, remote_lists)
+        result = pull_request(
+            decode.worker,
+            prefill.worker,
+            local_lists,
+            remote_lists,
+            remote_rank=prefill.worker.tp_rank,
+            remote_tp_size=self.p_tp,
+        )
         xfers = self.recorder.take(decode.agent)
         bare_ms, bare_cpu_ms = self._bare_post(xfers, t.rid)
-        # Nobody consumes the prefiller's READ notifications here; drop them.
-        prefill.worker.nixl_wrapper.get_new_notifs()
-        dst, src, n = self.recorder.pieces(decode.agent, prefill.agent, xfers)
+        # Nobody consumes the prefillers' READ notifications here; drop them.
+        for side in self.prefills:
+            side.worker.nixl_wrapper.get_new_notifs()
+        dst, src, n = self.recorder.pieces(
+            decode.agent, [side.agent for side in self.prefills], xfers
+        )
+        p_raws = [raw for side in self.prefills for raw in side.layout.raws]
         if decode.stages and verify:
             # Only where the device pages are compared: the other READs leave
             # the bytes in the host buffers (zeroed with the memmove floor).
@@ -484,6 +555,18 @@ class Child:
                     decode.layout.kv_cache_config.num_blocks,
                     t.local_ids,
                 )
+            elif self.heads is not None:
+                d_heads, p_heads = self.heads
+                good, compared = verify_heads_and_zero(
+                    decode.layout,
+                    [
+                        (side.layout, heads)
+                        for side, heads in zip(self.prefills, p_heads, strict=True)
+                    ],
+                    d_heads,
+                    t,
+                )
+                complete = compared == result.total_bytes
             else:
                 good, compared = verify_and_zero(decode.layout, prefill.layout, t)
                 complete = compared == result.total_bytes
@@ -516,7 +599,7 @@ class Child:
             "ok": ok,
             "notes": notes,
             "pieces": (
-                floor_offsets(src, prefill.layout.raws),
+                floor_offsets(src, p_raws),
                 floor_offsets(dst, decode.layout.raws),
                 n,
             ),
@@ -535,10 +618,11 @@ class Child:
         A kept layout loses the staging buffers this phase's workers added;
         a decoder layout is kept only when it was found clean (``clean``).
         """
-        for side in (self.prefill, self.decode):
+        for side in (*self.prefills, self.decode):
             if side is not None:
                 side.worker.shutdown()
         self.prefill = self.decode = None
+        self.prefills = []
         self.transfers = []
         wanted = {tuple(k) for k in keep}
         for key in list(self.layouts):
@@ -549,6 +633,15 @@ class Child:
         gc.collect()
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _rank_heads(total: int, tp_size: int, rank: int) -> range:
+    """The KV heads a TP rank holds (replicated where heads < ranks)."""
+    if total >= tp_size:
+        per_rank = total // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank * total // tp_size
+    return range(head, head + 1)
 
 
 def serve(conn: Any, spec: dict[str, Any]) -> None:

@@ -118,20 +118,28 @@ class Recorder:
         r = np.searchsorted(starts, ids, side="right") - 1
         return rows[r, 0] + (ids - starts[r]) * rows[r, 3], rows[r, 1]
 
-    def _registration(self, agent: str, addr: np.ndarray, n: np.ndarray) -> np.ndarray:
-        regs = self._sorted.get(agent)
+    def _registration(
+        self, agents: str | list[str], addr: np.ndarray, n: np.ndarray
+    ) -> np.ndarray:
+        agents = [agents] if isinstance(agents, str) else agents
+        key = "|".join(agents)
+        regs = self._sorted.get(key)
         if regs is None:
-            regs = np.asarray(sorted(set(self.registrations[agent])), dtype=np.int64)
-            self._sorted[agent] = regs
+            ranges = {r for agent in agents for r in self.registrations[agent]}
+            regs = np.asarray(sorted(ranges), dtype=np.int64)
+            self._sorted[key] = regs
         idx = np.searchsorted(regs[:, 0], addr, side="right") - 1
         if not ((idx >= 0).all() and (addr + n <= regs[idx, 1]).all()):
-            raise RuntimeError(f"{agent}: a READ piece lies outside its registrations")
+            raise RuntimeError(f"{key}: a READ piece lies outside its registrations")
         return idx
 
     def pieces(
-        self, agent: str, remote_agent: str, xfers: list
+        self, agent: str, remote_agents: list[str], xfers: list
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The READs' byte ranges merged into list-floor pieces.
+
+        ``remote_agents``: every agent the READs read (one per prefiller TP
+        rank); their allocations are distinct, so one merge covers them.
 
         Returns:
             ``(local_addr, remote_addr, length)`` per piece: ranges merged
@@ -154,7 +162,7 @@ class Recorder:
         order = np.argsort(a, kind="stable")
         a, b, n = a[order], b[order], n[order]
         lreg = self._registration(agent, a, n)
-        rreg = self._registration(remote_agent, b, n)
+        rreg = self._registration(remote_agents, b, n)
         joins = (
             (a[1:] == a[:-1] + n[:-1])
             & (b[1:] == b[:-1] + n[:-1])
@@ -464,6 +472,42 @@ def verify_and_zero(
         want = want_view.index_select(0, remote)
         ok &= got.shape == want.shape and same_bytes(got, want)
         compared += got.numel() * got.element_size()
+        got_view.index_fill_(0, local, 0)
+    return ok, compared
+
+
+def verify_heads_and_zero(
+    decode_layout: Any,
+    prefills: Sequence[tuple[Any, range]],
+    d_heads: range,
+    t: Any,
+) -> tuple[bool, int]:
+    """``verify_and_zero`` at heterogeneous TP of a head-sharded model.
+
+    Each ``[B, H, N, C]`` view of the decoder holds ``d_heads`` of the KV
+    heads; each prefiller rank's layout holds its ``range`` of them. Every KV
+    head of the decoder's pages ``[local_ids]`` must equal that head of the
+    pages ``[remote_ids]`` of the prefiller rank that holds it.
+
+    Returns:
+        ``(ok, bytes_compared)``.
+
+    """
+    import torch
+
+    local = torch.as_tensor(t.local_ids, dtype=torch.long)
+    remote = torch.as_tensor(t.remote_ids, dtype=torch.long)
+    ok, compared = True, 0
+    for name, got_view in decode_layout.kv_caches.items():
+        got = got_view.index_select(0, local)
+        for p_layout, p_heads in prefills:
+            lo, hi = max(d_heads.start, p_heads.start), min(d_heads.stop, p_heads.stop)
+            if lo >= hi:
+                continue
+            want = p_layout.kv_caches[name].index_select(0, remote)
+            part = got[:, lo - d_heads.start : hi - d_heads.start]
+            ok &= same_bytes(part, want[:, lo - p_heads.start : hi - p_heads.start])
+            compared += part.numel() * part.element_size()
         got_view.index_fill_(0, local, 0)
     return ok, compared
 

@@ -101,6 +101,11 @@ class Scenario:
         rows: Manifest names of the patches whose prefixes get a row, besides
             stock and the series (the patches that introduced or change the
             scenario's read path); empty: every prefix.
+        p_tp: TP size of the prefiller (head-sharded models, ``layout_zoo``
+            ``HEAD_SHARDED``): with ``p_tp > d_tp`` the decoder rank reads its
+            KV heads from ``p_tp // d_tp`` prefiller ranks.
+        d_tp: TP size of the decoder; its rank is the last (``d_tp - 1``),
+            reading its share of a prefiller rank's heads.
         description: One line for the legend.
 
     """
@@ -118,6 +123,8 @@ class Scenario:
     num_layers: int | None = None
     disjoint_groups: bool = False
     rows: tuple[str, ...] = ()
+    p_tp: int = 1
+    d_tp: int = 1
     description: str = ""
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
@@ -251,5 +258,33 @@ SCENARIOS = (
         "one rank; two KV cache groups (HMA) whose layer pairs share tensors, "
         "default layout; each group reads its own contiguous share of a "
         "request's list (SYNTHETIC split: the replay allocates one group)",
+    ),
+    Scenario(
+        "gqa-d-tp2",
+        "(10)",
+        "default layout, dense GQA, heterogeneous TP: P TP 1 -> D TP 2",
+        "llama8b/{layout}",
+        "llama8b/{layout}",
+        default_layout=DefaultLayout("llama8b", GQA_BACKENDS, mla=False),
+        num_layers=32,
+        d_tp=2,
+        description="not MLA: Llama-3.1-8B-like 32 layers, 8 KV heads of 128 "
+        "(bf16); the decoder is rank 1 of TP 2 (4 heads) reading its half of "
+        "each block from a TP 1 prefiller: LBHNC moves a head slice of each "
+        "layer page, BHLNC one of each block row; every READ's heads checked "
+        "against the prefiller's",
+    ),
+    Scenario(
+        "gqa-p-tp2",
+        "(11)",
+        "default layout, dense GQA, heterogeneous TP: P TP 2 -> D TP 1",
+        "llama8b/{layout}",
+        "llama8b/{layout}",
+        default_layout=DefaultLayout("llama8b", GQA_BACKENDS, mla=False),
+        num_layers=32,
+        p_tp=2,
+        description="the same model; the decoder (TP 1, 8 heads) reads 4 heads "
+        "from each of the two prefiller ranks into its pages or rows; "
+        "descriptors and bytes summed over both ranks' READs",
     ),
 )

@@ -447,6 +447,8 @@ class Job:
                 model_geometry=scenario.model_block_tokens is not None,
                 num_layers=scenario.num_layers,
                 disjoint_groups=scenario.disjoint_groups,
+                p_tp=scenario.p_tp,
+                d_tp=scenario.d_tp,
             )
         rows, built, infos, stray = [], [], {}, {}
         for v in members:

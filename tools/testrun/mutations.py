@@ -162,8 +162,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py"
         "::test_gqa_resolves_to_head_major_rows",
         "vllm/v1/attention/backends/utils.py",
-        "elif (preferred := get_kv_connector_preferred_cache_layout(vllm_config)) and (",
-        "elif (preferred := get_kv_connector_preferred_cache_layout(vllm_config)) and "
+        "get_kv_connector_preferred_cache_layout(vllm_config)) and (",
+        "get_kv_connector_preferred_cache_layout(vllm_config)) and "
         "not get_kv_connector_cache_layout(vllm_config) and (",
     ),
     (
