@@ -106,6 +106,8 @@ class Scenario:
             KV heads from ``p_tp // d_tp`` prefiller ranks.
         d_tp: TP size of the decoder; its rank is the last (``d_tp - 1``),
             reading its share of a prefiller rank's heads.
+        verify_every: Check the bytes of every READ, whatever ``--verify``
+            says (each KV head against the prefiller rank that holds it).
         description: One line for the legend.
 
     """
@@ -125,6 +127,7 @@ class Scenario:
     rows: tuple[str, ...] = ()
     p_tp: int = 1
     d_tp: int = 1
+    verify_every: bool = False
     description: str = ""
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
@@ -268,11 +271,17 @@ SCENARIOS = (
         default_layout=DefaultLayout("llama8b", GQA_BACKENDS, mla=False),
         num_layers=32,
         d_tp=2,
+        verify_every=True,
+        rows=(
+            "nixl-ordered-transfers",
+            "block-pool-sorted-allocation",
+            "nixl-gqa-head-major-rows",
+        ),
         description="not MLA: Llama-3.1-8B-like 32 layers, 8 KV heads of 128 "
         "(bf16); the decoder is rank 1 of TP 2 (4 heads) reading its half of "
         "each block from a TP 1 prefiller: LBHNC moves a head slice of each "
-        "layer page, BHLNC one of each block row; every READ's heads checked "
-        "against the prefiller's",
+        "layer page, BHLNC one of each block row; every READ's KV heads "
+        "checked against the prefiller's",
     ),
     Scenario(
         "gqa-p-tp2",
@@ -283,6 +292,12 @@ SCENARIOS = (
         default_layout=DefaultLayout("llama8b", GQA_BACKENDS, mla=False),
         num_layers=32,
         p_tp=2,
+        verify_every=True,
+        rows=(
+            "nixl-ordered-transfers",
+            "block-pool-sorted-allocation",
+            "nixl-gqa-head-major-rows",
+        ),
         description="the same model; the decoder (TP 1, 8 heads) reads 4 heads "
         "from each of the two prefiller ranks into its pages or rows; "
         "descriptors and bytes summed over both ranks' READs",

@@ -481,7 +481,7 @@ class Job:
                 args.transfers + 1,
                 args.repeat,
                 {v.key: per_variant[v.key]["sampled"] for v in built},
-                args.verify == "every",
+                args.verify == "every" or scenario.verify_every,
                 self.floor,
             )
             started = time.perf_counter()
