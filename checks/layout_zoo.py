@@ -100,6 +100,10 @@ llama8b/LBHNC                   4        Llama-3.1-8B-like: 8 KV heads, built
 llama8b/BHLNC                   1        The same, BHLNC rows; heterogeneous TP
                                          reads a head slice of each row (the
                                          fork; stock refuses it).
+llama8b+host-staging/BHLNC      4        llama8b/BHLNC with
+                                         ``kv_buffer_device="cpu"``: per-layer
+                                         head-major host buffers, in stock and
+                                         the fork.
 gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
                                          ``kv_buffer_device="cpu"``: per-layer
                                          host buffers for layers whose device
@@ -383,6 +387,9 @@ _RECIPES: dict[str, _Recipe] = {
     "llama/BHLNC": _Recipe("llama", KVCacheLayout.BHLNC),
     "llama8b/LBHNC": _Recipe("llama8b", KVCacheLayout.LBHNC),
     "llama8b/BHLNC": _Recipe("llama8b", KVCacheLayout.BHLNC),
+    "llama8b+host-staging/BHLNC": _Recipe(
+        "llama8b", KVCacheLayout.BHLNC, host_staging=True
+    ),
     "nemotron-h/LBNHC": _Recipe("nemotron-h", KVCacheLayout.LBNHC),
     "hisparse-glm53/BLHNC": _Recipe("glm53", KVCacheLayout.BLHNC, hisparse=True),
     "glm53-mtp+host-staging/BLHNC": _Recipe(

@@ -52,7 +52,7 @@ from checks.layout_zoo import (
     make_zoo_worker,
     model_family,
 )
-from checks.real_nixl import connect, probe_real_nixl, pull_request
+from checks.real_nixl import connect, probe_real_nixl, pull_request, stage_request
 
 NUM_BLOCKS = 32
 _NON_MLA = {
@@ -181,7 +181,7 @@ class Case:
 
 
 def _head_sharded(layout: str) -> bool:
-    return layout.split("/")[0] in HEAD_SHARDED
+    return layout.split("/")[0].split("+")[0] in HEAD_SHARDED
 
 
 def _variants(p: str, d: str) -> list[tuple[str, Side, Side]]:
@@ -261,6 +261,9 @@ PAIRS = [
     # GQA rows (BHLNC) and pages (LBHNC) read each other head by head.
     ("llama8b/LBHNC", "llama8b/BHLNC"),
     ("llama8b/BHLNC", "llama8b/LBHNC"),
+    # Per-layer host staging on one side of BHLNC rows, both ways.
+    ("llama8b+host-staging/BHLNC", "llama8b/BHLNC"),
+    ("llama8b/BHLNC", "llama8b+host-staging/BHLNC"),
 ]
 CASES = (
     [
@@ -710,6 +713,9 @@ def run_case(case: Case) -> dict[str, Any]:
         ratio = d_layout.block_size // p_layout.block_size
         local = _request(decode, rng, 4)
         remote = _request(prefill, rng, 4 * ratio)
+        for worker in prefills[1:]:
+            # pull_request stages the first rank; the others hold their heads.
+            stage_request(worker, "req-other-ranks", remote)
         try:
             result = pull_request(
                 decode,
