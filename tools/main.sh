@@ -3,7 +3,7 @@
 #
 # The main job: set up the env, build the patched vLLM tree (build/vllm) and
 # run the main job (tools/bench/nixl_main_job.py) against it: NIXL
-# descriptors and time per READ for five P/D scenarios, one row per prefix of
+# descriptors and time per READ for the P/D scenarios (tools/bench/job_scenarios.py), one row per prefix of
 # the series (stock, 0001, 0001-0002, ...: each the real code of its own
 # worktree of build/vllm under build/prefixes/, one process each, stopped
 # while another reads), against the memmove and NIXL floors, with a GPU
