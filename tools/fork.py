@@ -33,6 +33,7 @@ from pathlib import Path
 
 from manifest import (  # tools/manifest.py; re-exported for tools/testrun/
     BASE_TAG,
+    RELEASE,
     EXPORTED_STACKS,
     KINDS,
     MANIFEST,
@@ -48,11 +49,11 @@ from manifest import (  # tools/manifest.py; re-exported for tools/testrun/
 )
 
 SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
-SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+SDIST_SHA256: str = RELEASE["sha256"]
 # Commit id of the pristine base that `build` creates from the sdist. It only
 # depends on the sdist content and the fixed identity/date below, so it is the
 # same on every machine; a different value means the extracted tree differs.
-BASE_COMMIT = "ff70f11a1f3adc8c1cea08a952df75c1740c0962"
+BASE_COMMIT: str = RELEASE["base_commit"]
 BASE_IDENTITY = ("vLLM release sdist", "noreply@vllm.invalid")
 FIXED_DATE = "2026-01-01T00:00:00+00:00"
 # Author of the series commits in the local build/vllm tree: fixed, so builds
@@ -189,11 +190,11 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def verify_sdist(path: Path) -> None:
+def verify_sdist(path: Path, sha256: str = SDIST_SHA256) -> None:
     got = sha256_of(path)
-    if got != SDIST_SHA256:
+    if got != sha256:
         raise ForkError(
-            f"sdist sha256 mismatch: got {got}, expected {SDIST_SHA256}; "
+            f"sdist sha256 mismatch: got {got}, expected {sha256}; "
             f"delete {_rel(path)} and retry"
         )
 
@@ -208,47 +209,53 @@ def env_python() -> Path:
     return env_dir / "bin" / "python"
 
 
-def fetch_sdist() -> Path:
+def fetch_sdist(version: str = VLLM_VERSION, sha256: str | None = SDIST_SHA256) -> Path:
     """Return the verified sdist path, downloading it first if needed.
 
     The sdist's metadata build needs torch==2.14 in an isolated build env
     (GBs). Building metadata without isolation from the project venv, which
     already has torch 2.13 (CPU) and setuptools, takes seconds instead.
+    ``sha256=None`` skips the check (``tools/release.py`` prints the hash of
+    a release nobody has pinned yet and refuses to take it).
     """
-    target = CACHE_DIR / SDIST_NAME
+    name = f"vllm-{version}.tar.gz"
+    target = CACHE_DIR / name
     if target.exists():
-        verify_sdist(target)
+        if sha256:
+            verify_sdist(target, sha256)
         return target
     python = env_python()
     if not python.exists():
         raise ForkError(
-            f"cannot download {SDIST_NAME}: no venv python at {_rel(python)}; "
+            f"cannot download {name}: no venv python at {_rel(python)}; "
             "run `bash tools/setup_env.sh` (it fetches the sdist) or set FORK_PYTHON"
         )
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     log = CACHE_DIR / "fetch.log"
     env = dict(os.environ)
-    env.update(VLLM_VERSION_OVERRIDE=VLLM_VERSION, VLLM_TARGET_DEVICE="empty")
+    env.update(VLLM_VERSION_OVERRIDE=version, VLLM_TARGET_DEVICE="empty")
     with tempfile.TemporaryDirectory(dir=CACHE_DIR, prefix=".download-") as tmp:
         cmd = [
             str(python), "-m", "pip", "download", "--no-deps",
             "--no-binary", "vllm", "--no-build-isolation",
             "--retries", "2", "--timeout", "30",
-            f"vllm=={VLLM_VERSION}", "-d", tmp,
+            f"vllm=={version}", "-d", tmp,
         ]  # fmt: skip
-        print(f"fetch: downloading {SDIST_NAME} from the package index", flush=True)
+        print(f"fetch: downloading {name} from the package index", flush=True)
         with open(log, "w", encoding="utf-8") as logf:
             proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
-        got = Path(tmp) / SDIST_NAME
+        got = Path(tmp) / name
         if proc.returncode != 0 or not got.exists():
+            pinned = f" (sha256 {sha256[:12]}...)" if sha256 else ""
             raise ForkError(
                 f"sdist download failed (pip exit {proc.returncode}), likely no "
                 "network / PyPI unreachable: check connectivity or proxy settings "
-                f"and retry, or copy {SDIST_NAME} (sha256 {SDIST_SHA256[:12]}...) "
+                f"and retry, or copy {name}{pinned} "
                 f"into {_rel(CACHE_DIR)}/; pip log: {_rel(log)}"
             )
         shutil.move(str(got), target)
-    verify_sdist(target)
+    if sha256:
+        verify_sdist(target, sha256)
     return target
 
 
@@ -262,8 +269,18 @@ def cmd_fetch(_: argparse.Namespace) -> int:
 # build
 
 
-def make_base(dest: Path, sdist: Path) -> str:
-    """Create a git repo at dest holding the pristine sdist as one commit."""
+def make_base(
+    dest: Path,
+    sdist: Path,
+    version: str = VLLM_VERSION,
+    expect: str | None = BASE_COMMIT,
+) -> str:
+    """Create a git repo at dest holding the pristine sdist as one commit.
+
+    The commit has a fixed identity and date, so its id depends on the
+    sdist alone; it is tagged ``v<version>``. ``expect`` is the id it should
+    have (``series/release.toml``'s ``base_commit``): a warning if not.
+    """
     dest.mkdir(parents=True)
     subprocess.run(
         ["tar", "-xzf", str(sdist), "-C", str(dest), "--strip-components=1",
@@ -276,13 +293,13 @@ def make_base(dest: Path, sdist: Path) -> str:
     git(dest, "add", "-f", "-A")
     git(
         dest, "commit", "-q", "--cleanup=verbatim", "-m",
-        f"vLLM {VLLM_VERSION} release sdist\n\n{SDIST_NAME} sha256 {SDIST_SHA256}\n",
+        f"vLLM {version} release sdist\n\n{sdist.name} sha256 {sha256_of(sdist)}\n",
     )  # fmt: skip
-    git(dest, "tag", BASE_TAG)
+    git(dest, "tag", f"v{version}")
     head = git_out(dest, "rev-parse", "HEAD")
-    if head != BASE_COMMIT:
+    if expect and head != expect:
         print(
-            f"warning: pristine base commit is {head}, expected {BASE_COMMIT} "
+            f"warning: pristine base commit is {head}, expected {expect} "
             "(extracted tree differs from the reference: file modes/filesystem?)",
             file=sys.stderr,
         )
@@ -713,6 +730,7 @@ def cmd_save(args: argparse.Namespace) -> int:
             "commits map to tables by order, so add a table with just "
             '`name = "<slug>"` for each new commit (or drop tables) and rerun'
         )
+    # Parked patches are not in build/vllm: their files and diffs stay.
     old_files = {f for p in manifest.patches for f in p.files}
     old_diffs = {p.diff for p in manifest.patches if p.diff}
     new_patches: list[Patch] = []
@@ -750,7 +768,7 @@ def cmd_save(args: argparse.Namespace) -> int:
     for stale in sorted((old_files - new_files) | (old_diffs - new_diffs)):
         if out.remove(stale) and not check:
             print(f"save: removed {stale}")
-    new_manifest = Manifest(new_patches)
+    new_manifest = Manifest(new_patches, manifest.parked)
     out.write(
         str(MANIFEST.relative_to(ROOT)), dump_manifest(new_manifest).encode("utf-8")
     )
@@ -798,6 +816,8 @@ def cmd_summary(_: argparse.Namespace) -> int:
             stack = p.stack
             print(f"-- {STACKS[stack]}")
         print(line(r))
+    for p in manifest.parked:
+        print(f"-- parked (not built, not exported): {p.name}: {p.parked}")
     return 0
 
 

@@ -15,10 +15,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM_VERSION = "0.33.0"
-BASE_TAG = f"v{VLLM_VERSION}"
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "series" / "manifest.toml"
+# The release the series is built on, and every hook point of a release change.
+RELEASE_FILE = ROOT / "series" / "release.toml"
+RELEASE = tomllib.loads(RELEASE_FILE.read_text(encoding="utf-8"))
+VLLM_VERSION: str = RELEASE["version"]
+BASE_TAG = f"v{VLLM_VERSION}"
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -43,6 +46,8 @@ MANIFEST_HEADER = """\
 #   diff     optional unified git diff against upstream files
 #   stack    fixes | layout | project: which exported stack the patch is in
 #            (project: applied by the fork build, never exported)
+#   parked   optional reason: the patch is kept but neither built nor exported
+#            (its diff is against an earlier release until it is ported)
 # No identity here: `export` signs off as `git config user.name/user.email`.
 # `python3 tools/fork.py save` rewrites this file from build/vllm.
 
@@ -63,13 +68,20 @@ class Patch:
     files: list[str] = field(default_factory=list)
     diff: str | None = None
     stack: str = "fixes"
+    parked: str = ""
 
 
 @dataclass
 class Manifest:
-    """The parsed series/manifest.toml."""
+    """The parsed series/manifest.toml.
+
+    ``patches`` are the ones ``fork.py build`` applies, in order; ``parked``
+    ones are kept in the manifest (and their files in the repository) but
+    neither built nor exported, each with the reason.
+    """
 
     patches: list[Patch]
+    parked: list[Patch] = field(default_factory=list)
 
     @property
     def exported(self) -> list[Patch]:
@@ -108,12 +120,15 @@ def load_manifest(require_subject: bool = True) -> Manifest:
     if not isinstance(raw, list):
         raise ForkError(f"{rel}: 'patch' must be an array of tables")
     patches: list[Patch] = []
+    parked: list[Patch] = []
     seen: set[str] = set()
     for i, table in enumerate(raw, start=1):
         where = f"{rel}: patch {i}"
         if not isinstance(table, dict):
             raise ForkError(f"{where}: not a table")
-        unknown = set(table) - {"name", "subject", "body", "files", "diff", "stack"}
+        unknown = set(table) - {
+            "name", "subject", "body", "files", "diff", "stack", "parked"
+        }  # fmt: skip
         if unknown:
             raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
         name = table.get("name")
@@ -148,6 +163,16 @@ def load_manifest(require_subject: bool = True) -> Manifest:
         stack = table.get("stack", "fixes")
         if stack not in STACKS:
             raise ForkError(f"{where} ({name}): 'stack' must be one of {list(STACKS)}")
+        parked_reason = table.get("parked", "")
+        if not isinstance(parked_reason, str):
+            raise ForkError(f"{where} ({name}): 'parked' must be a reason string")
+        patch = Patch(
+            name, subject.strip(), body.strip("\n"), list(files), diff, stack,
+            parked_reason.strip(),
+        )  # fmt: skip
+        if patch.parked:
+            parked.append(patch)
+            continue
         if patches and list(STACKS).index(stack) < list(STACKS).index(
             patches[-1].stack
         ):
@@ -155,10 +180,8 @@ def load_manifest(require_subject: bool = True) -> Manifest:
                 f"{where} ({name}): stack {stack!r} after {patches[-1].stack!r}; "
                 f"stacks run in the order {list(STACKS)}"
             )
-        patches.append(
-            Patch(name, subject.strip(), body.strip("\n"), list(files), diff, stack)
-        )
-    return Manifest(patches)
+        patches.append(patch)
+    return Manifest(patches, parked)
 
 
 def _toml_str(value: str) -> str:
@@ -180,7 +203,7 @@ def _toml_body(value: str) -> str:
 def dump_manifest(manifest: Manifest) -> str:
     """Serialize the manifest as TOML (round-trips through load_manifest)."""
     out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
-    for p in manifest.patches:
+    for p in [*manifest.patches, *manifest.parked]:
         out.append("\n[[patch]]\n")
         out.append(f"name = {_toml_str(p.name)}\n")
         out.append(f"subject = {_toml_str(p.subject)}\n")
@@ -193,6 +216,8 @@ def dump_manifest(manifest: Manifest) -> str:
         if p.diff:
             out.append(f"diff = {_toml_str(p.diff)}\n")
         out.append(f"stack = {_toml_str(p.stack)}\n")
+        if p.parked:
+            out.append(f"parked = {_toml_str(p.parked)}\n")
     return "".join(out)
 
 

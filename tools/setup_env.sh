@@ -5,7 +5,9 @@
 # subset of vLLM's Python deps its CPU unit tests import, the vLLM release
 # sdist in build/cache, upstream's markdownlint-cli2 (npm, build/cache/node)
 # and a tiny offline HF cache for facebook/opt-125m. Python 3.11 to 3.14
-# (vLLM 0.33.0 declares >=3.11,<3.15).
+# (vLLM 0.34.0 declares >=3.11,<3.15). The release, its sdist hash and where
+# the environment departs from its requirements ([exceptions]: torch, nixl)
+# come from series/release.toml.
 #
 # Idempotent: when the venv's stamp matches the pinned constraints and this
 # script, it only re-verifies the sdist and HF config (well under a second).
@@ -36,12 +38,24 @@ MARKDOWNLINT_VERSION=0.21.0
 MARKDOWNLINT=build/cache/node/node_modules/.bin/markdownlint-cli2
 CONSTRAINTS=env/constraints.txt
 LOG=build/setup_env.log
-SDIST=build/cache/vllm-0.33.0.tar.gz
-COMMON_TXT=build/cache/vllm-0.33.0-common.txt
+# series/release.toml: the release and the environment's named exceptions.
+release() {
+  "$PYTHON" -c 'import sys, tomllib
+d = tomllib.load(open("series/release.toml", "rb"))
+for k in sys.argv[1:]:
+    d = d.get(k, "") if isinstance(d, dict) else ""
+print(d)' "$@"
+}
+VLLM_VERSION=$(release version)
+[[ -n $VLLM_VERSION ]] || { echo "setup_env: no version in series/release.toml" >&2; exit 1; }
+TORCH_VERSION=$(release exceptions torch)
+NIXL_EXCEPTION=$(release exceptions nixl)
+SDIST=build/cache/vllm-$VLLM_VERSION.tar.gz
+COMMON_TXT=build/cache/vllm-$VLLM_VERSION-common.txt
 
 # Needed to build the sdist's metadata without isolation (tools/fork.py fetch).
 BOOTSTRAP_PKGS=(
-  torch==2.13.0 "setuptools>=77,<81" "setuptools-scm>=8" "setuptools-rust>=1.9"
+  "torch==$TORCH_VERSION" "setuptools>=77,<81" "setuptools-scm>=8" "setuptools-rust>=1.9"
   packaging wheel jinja2
 )
 # What the CPU unit tests import (measured), plus the lint tools.
@@ -62,7 +76,7 @@ TEST_PKGS=(
 # unpinned CUDA torch. NIXL's version is the release's own pin
 # (requirements/kv_connectors.txt), the one upstream CI installs.
 NODEPS_PKGS=(xgrammar==0.2.8)
-KV_CONNECTORS_TXT=build/cache/vllm-0.33.0-kv_connectors.txt
+KV_CONNECTORS_TXT=build/cache/vllm-$VLLM_VERSION-kv_connectors.txt
 
 FREEZE=0
 for arg in "$@"; do
@@ -114,7 +128,7 @@ export FORK_PYTHON=$VPY
 stamp_key() {
   {
     cat "$CONSTRAINTS" 2>/dev/null || true
-    cat "$ROOT/tools/setup_env.sh"
+    cat "$ROOT/tools/setup_env.sh" "$ROOT/series/release.toml"
     "$VPY" -c 'import sys; print(sys.version)'
   } | sha256sum | cut -d' ' -f1
 }
@@ -144,7 +158,7 @@ echo "setup_env: creating $ENV_DIR (log: $LOG)"
 if [[ ! -x $VPY ]]; then
   "$PYTHON" -c 'import sys; assert (3, 11) <= sys.version_info < (3, 15)' \
     2>/dev/null || die "$PYTHON is missing or not Python 3.11-3.14 (vLLM" \
-    "0.33.0 supports >=3.11,<3.15); set PYTHON=python3.12, for example"
+    "$VLLM_VERSION supports >=3.11,<3.15); set PYTHON=python3.12, for example"
   step "python -m venv" "$PYTHON" -m venv "$ENV_DIR"
 fi
 if [[ "$("$ENV_DIR/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
@@ -167,16 +181,16 @@ fi
 # TORCH_INDEX_URL when there is one, else the default build from PyPI (larger,
 # bundles CUDA libraries, runs on CPU all the same).
 PYTAG=$("$VPY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-if ! ls "$TORCH_FIND_LINKS"/torch-2.13.0*-"$PYTAG"-"$PYTAG"-*.whl >/dev/null 2>&1 \
+if ! ls "$TORCH_FIND_LINKS"/torch-"$TORCH_VERSION"*-"$PYTAG"-"$PYTAG"-*.whl >/dev/null 2>&1 \
     && [[ -z $TORCH_INDEX_URL ]] && ! "$VPY" -c 'import torch' 2>/dev/null; then
-  other=$(cd "$TORCH_FIND_LINKS" 2>/dev/null && ls torch-2.13.0*.whl 2>/dev/null \
+  other=$(cd "$TORCH_FIND_LINKS" 2>/dev/null && ls torch-"$TORCH_VERSION"*.whl 2>/dev/null \
     | head -n 1 || true)
   if [[ -n $other ]]; then
     echo "setup_env: $TORCH_FIND_LINKS/$other is not for this Python ($PYTAG);" \
-      "installing torch==2.13.0 from PyPI instead"
+      "installing torch==$TORCH_VERSION from PyPI instead"
   else
-    echo "setup_env: no torch 2.13.0 wheel in $TORCH_FIND_LINKS and no" \
-      "TORCH_INDEX_URL; installing torch==2.13.0 from PyPI (large download)"
+    echo "setup_env: no torch $TORCH_VERSION wheel in $TORCH_FIND_LINKS and no" \
+      "TORCH_INDEX_URL; installing torch==$TORCH_VERSION from PyPI (large download)"
   fi
 fi
 uvpip() { "$ENV_DIR/bin/uv" pip install "${UV_ARGS[@]}" "$@"; }
@@ -184,17 +198,22 @@ uvpip() { "$ENV_DIR/bin/uv" pip install "${UV_ARGS[@]}" "$@"; }
 step "install build deps" uvpip "${BOOTSTRAP_PKGS[@]}"
 step "fetch sdist" "$VPY" tools/fork.py fetch
 # vLLM's own pins (requirements/common.txt) come from the pristine release.
-tar -xzf "$SDIST" -O vllm-0.33.0/requirements/common.txt >"$COMMON_TXT" \
+tar -xzf "$SDIST" -O "vllm-$VLLM_VERSION/requirements/common.txt" >"$COMMON_TXT" \
   || die "cannot read requirements/common.txt from $SDIST"
 step "install test deps" uvpip -c "$COMMON_TXT" "${TEST_PKGS[@]}"
-tar -xzf "$SDIST" -O vllm-0.33.0/requirements/kv_connectors.txt >"$KV_CONNECTORS_TXT" \
+tar -xzf "$SDIST" -O "vllm-$VLLM_VERSION/requirements/kv_connectors.txt" >"$KV_CONNECTORS_TXT" \
   || die "cannot read requirements/kv_connectors.txt from $SDIST"
 NIXL_VERSION=$(sed -nE 's/^nixl *== *([0-9.]+).*/\1/p' "$KV_CONNECTORS_TXT")
 [[ -n $NIXL_VERSION ]] || die "no 'nixl == X' pin in requirements/kv_connectors.txt"
+if [[ -n $NIXL_EXCEPTION && $NIXL_EXCEPTION != "$NIXL_VERSION" ]]; then
+  echo "setup_env: nixl $NIXL_EXCEPTION, not the release's $NIXL_VERSION" \
+    "(series/release.toml: $(release exceptions nixl_reason))"
+  NIXL_VERSION=$NIXL_EXCEPTION
+fi
 NODEPS_PKGS+=("nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION")
 step "install no-deps pkgs" uvpip --no-deps "${NODEPS_PKGS[@]}"
-"$VPY" -c 'import torch; assert torch.__version__.split("+")[0] == "2.13.0", torch.__version__' \
-  || die "torch in $ENV_DIR is not 2.13.0"
+"$VPY" -c 'import sys, torch; assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__' \
+  "$TORCH_VERSION" || die "torch in $ENV_DIR is not $TORCH_VERSION"
 
 if [[ $FREEZE == 1 || ! -f $CONSTRAINTS ]]; then
   mkdir -p env

@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test runs only: NIXL progress threads that sleep when idle.
+"""Test runs only: NIXL progress threads that sleep when idle; vLLM's CPU gate.
+
+Two changes, to every Python process of a test run, identical for the stock
+tree and the series (neither tree's files hold them, nor does the export).
+
+1. NIXL progress threads that sleep when idle.
 
 nixl's python API (``nixl_agent``, 1.5.0) creates every agent with
 ``pthrDelay = 0``: its UCX progress thread polls without pause, and an idle
@@ -10,6 +15,18 @@ Python process of a test run (pytest, its xdist workers, the stock oracle,
 the cross-tree children) loads this file at startup. When NIXL's bindings
 are imported, their agent config gets a floor of ``PTHR_DELAY_US`` on that
 delay; nothing else changes (the threads still progress every transfer).
+
+2. vLLM's CPU gate (from 0.34.0). ``CpuPlatform.check_and_update_config``
+raises "vLLM on x86 CPUs requires Triton (triton-cpu)" for every
+``VllmConfig`` on x86 without triton-cpu, whose wheels are not on PyPI: no
+upstream unit fixture builds a config here then. vLLM has a model runner
+that needs no Triton (``StandaloneCPUModelRunner``) but selects it on other
+architectures only (``uses_standalone_cpu_model_runner``). When
+``vllm.platforms.cpu`` is imported, its source is compiled with those two
+x86 conditions lifted (``CPU_GATE``: each an exact line, or the import fails
+naming it, so a release that moves the gate is noticed). The runner's C++
+ops need the x86 build of the CPU extension to include them: a build-rig
+patch of ``tools/cpu_ext/``.
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from types import ModuleType
+from types import CodeType, ModuleType
 
 PTHR_DELAY_US = 1000
 _BINDINGS = ("nixl_cu13._bindings", "nixl_cu12._bindings", "nixl._bindings")
@@ -52,4 +69,47 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+# vllm/platforms/cpu.py, as released: (exact text, replacement).
+CPU_GATE_MODULE = "vllm.platforms.cpu"
+CPU_GATE = (
+    (
+        "        if cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON:\n"
+        '            raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")\n',
+        "",
+    ),
+    (
+        "        return not HAS_TRITON and cls.get_cpu_architecture() != CpuArchEnum.X86\n",
+        "        return not HAS_TRITON\n",
+    ),
+)
+
+
+class _GateLiftLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the module from its source, lifted; no bytecode read or written."""
+
+    def get_code(self, fullname: str) -> CodeType:
+        path = self.get_filename(fullname)
+        text = self.get_data(path).decode("utf-8")
+        for old, new in CPU_GATE:
+            if text.count(old) != 1:
+                raise ImportError(
+                    f"tools/test_site: {path} no longer has the CPU gate line "
+                    f"{old.strip()!r} once; update CPU_GATE for this release"
+                )
+            text = text.replace(old, new)
+        return compile(text, path, "exec", dont_inherit=True)
+
+
+class _GateFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != CPU_GATE_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return spec
+        spec.loader = _GateLiftLoader(name, spec.origin)
+        return spec
+
+
 sys.meta_path.insert(0, _Finder())
+sys.meta_path.insert(0, _GateFinder())
