@@ -33,10 +33,10 @@ from pathlib import Path
 
 from manifest import (  # tools/manifest.py; re-exported for tools/testrun/
     BASE_TAG,
-    RELEASE,
     EXPORTED_STACKS,
     KINDS,
     MANIFEST,
+    RELEASE,
     STACKS,
     VLLM_VERSION,
     ForkError,

@@ -71,14 +71,16 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 # vllm/platforms/cpu.py, as released: (exact text, replacement).
 CPU_GATE_MODULE = "vllm.platforms.cpu"
+_X86 = "cls.get_cpu_architecture() == CpuArchEnum.X86"
 CPU_GATE = (
     (
-        "        if cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON:\n"
-        '            raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")\n',
+        f"        if {_X86} and not HAS_TRITON:\n"
+        '            raise RuntimeError("vLLM on x86 CPUs requires Triton'
+        ' (triton-cpu).")\n',
         "",
     ),
     (
-        "        return not HAS_TRITON and cls.get_cpu_architecture() != CpuArchEnum.X86\n",
+        f"        return not HAS_TRITON and {_X86.replace('==', '!=')}\n",
         "        return not HAS_TRITON\n",
     ),
 )
