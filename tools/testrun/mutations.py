@@ -19,11 +19,14 @@ from testrun.common import (
     run_logged,
 )
 
-# One deliberate break per exported test file: (test file under tests/, file
-# of the fork, text to replace, replacement). The test file must fail on it.
-MUTATIONS: list[tuple[str, str, str, str]] = [
+# One deliberate break per exported test file: (the patch whose test it is,
+# test file under tests/, file of the fork, text to replace, replacement). The
+# test file must fail on it. A break of a parked patch (series/manifest.toml)
+# is parked with it: listed, not run.
+MUTATIONS: list[tuple[str, str, str, str, str]] = [
     # Descriptor ids back to int64 (NIXL converts them on every READ).
     (
+        "nixl-posting-cost",
         "v1/kv_connector/unit/test_nixl_desc_ids.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "np.cumsum([0, *region_num_blocks[:-1]], dtype=np.int32)",
@@ -31,6 +34,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # A peer page read at the row's start instead of its layer's offset.
     (
+        "nixl-row-page-reads",
         "v1/kv_connector/unit/test_nixl_row_pages.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/row_pages.py",
         "base=row.base + member.offset,",
@@ -39,6 +43,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     # A preferred row shared by groups advertised whole (0.33.0's per-layer
     # decoders of the same settings refuse it).
     (
+        "nixl-mla-block-outermost-layout",
         "v1/kv_connector/unit/test_nixl_desc_geometry.py"
         "::test_shared_rows_are_advertised_as_the_same_settings_on_0_33",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
@@ -47,12 +52,14 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # MultiConnector forwarding a preference a sub-connector did not state.
     (
+        "nixl-gqa-head-major-rows",
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
         "return layouts.pop() if len(layouts) == 1 else None",
         "return next(iter(layouts - {None}), None)",
     ),
     (
+        "nixl-host-staging-group-copies",
         "v1/kv_connector/unit/test_nixl_host_staging_groups.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "for group, group_block_ids in zip(groups, block_ids):",
@@ -60,6 +67,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # #57661: a strided region that does not cover a view at its address.
     (
+        "nixl-aliased-region-guard",
         "v1/kv_connector/unit/test_nixl_aliased_regions.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "length > region_len or stride != region_stride",
@@ -68,30 +76,35 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     # Block ids reported for a multi-group config (0.33.0's condition): the
     # Scheduler raises instead of failing the one request.
     (
+        "nixl-failed-recv-multi-group",
         "v1/kv_connector/unit/test_nixl_failed_recv_groups.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "if len(self.kv_cache_config.kv_cache_groups) == 1:",
         "if not self._is_hma_required:",
     ),
     (
+        "nixl-remote-block-id-checks",
         "v1/kv_connector/unit/test_nixl_read_checks.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/read_checks.py",
         "if count < remote_groups or (same_groups and count != remote_groups):",
         "if False:",
     ),
     (
+        "nixl-mla-block-outermost-layout",
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py",
         'return "BLHNC"',
         "return None",
     ),
     (
+        "nixl-ordered-transfers",
         "v1/kv_connector/unit/test_nixl_transfer_order.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py",
         'order = np.argsort(local_array, kind="stable")',
         "order = np.arange(len(local))",
     ),
     (
+        "nixl-ordered-transfers",
         "v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNotifs"
         "::test_push_write_posts_block_pairs_in_local_order",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_worker.py",
@@ -99,6 +112,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "local_block_ids, remote_block_ids = (lambda a, b: (a, b))(",
     ),
     (
+        "block-pool-sorted-allocation",
         "v1/core/test_block_pool_allocation_order.py",
         "vllm/v1/core/block_pool.py",
         'ret.sort(key=attrgetter("block_id"))',
@@ -107,6 +121,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     # The eviction-equivalence test: sorting before the popped blocks are
     # evicted and notified changes the order of KV events and reuse calls.
     (
+        "block-pool-sorted-allocation",
         "v1/core/test_block_pool_allocation_order.py"
         "::test_sorted_pool_behaves_as_the_queue_pool",
         "vllm/v1/core/block_pool.py",
@@ -116,6 +131,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         '            ret.sort(key=attrgetter("block_id"))\n',
     ),
     (
+        "nixl-mirrored-host-staging",
         "v1/kv_connector/unit/test_nixl_host_staging.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/host_staging.py",
         "if merged and start <= merged[-1][1]:",
@@ -123,12 +139,14 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # Mirroring rows that several transfer groups share.
     (
+        "nixl-mirrored-host-staging",
         "v1/kv_connector/unit/test_nixl_host_staging.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
         "and len(groups) == 1\n",
         "and groups\n",
     ),
     (
+        "nixl-coalesced-reads",
         "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
         "if plan.changes_reads:",
@@ -136,6 +154,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # Two real engines: the decoder reads the prompt's blocks in reverse.
     (
+        "nixl-ci",
         "v1/kv_connector/nixl_integration/test_nixl_cpu_pd.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
         "local_block_ids, remote_block_ids\n        )",
@@ -144,6 +163,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     # A prefiller rank's heads read from its first head's place (heads of a
     # rank other than 0 land wrong).
     (
+        "nixl-gqa-head-major-rows",
         "v1/kv_connector/unit/test_nixl_head_pages.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/head_pages.py",
         "+ (first - remote_heads.start) * there.head_stride,",
@@ -151,6 +171,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # Heterogeneous TP on BHLNC rows refused again, as in 0.33.0.
     (
+        "nixl-gqa-head-major-rows",
         "v1/kv_connector/unit/test_nixl_head_pages.py"
         "::test_heads_land_across_layouts_and_tp",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
@@ -159,6 +180,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ),
     # The GQA preference taken after the connector's requirement (LBHNC).
     (
+        "nixl-gqa-head-major-rows",
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py"
         "::test_gqa_resolves_to_head_major_rows",
         "vllm/v1/attention/backends/utils.py",
@@ -167,6 +189,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
         "not get_kv_connector_cache_layout(vllm_config) and (",
     ),
     (
+        "nixl-coalesced-reads",
         "v1/kv_connector/unit/test_nixl_region_coalescing.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
         "elif last.remote_base + last.length != r.remote_base:",
@@ -186,11 +209,25 @@ GPU_ONLY = frozenset(
 )
 
 
+def active_mutations() -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """The breaks of built patches, and the names of the parked ones' tests."""
+    from manifest import load_manifest  # tools/manifest.py
+
+    manifest = load_manifest()
+    built = {p.name for p in manifest.patches}
+    parked = {p.name for p in manifest.parked}
+    unknown = {m[0] for m in MUTATIONS} - built - parked
+    if unknown:
+        raise SystemExit(f"mutations: no patch named {sorted(unknown)}")
+    active = [m[1:] for m in MUTATIONS if m[0] in built]
+    return active, [f"{m[0]}: {Path(m[1]).name}" for m in MUTATIONS if m[0] in parked]
+
+
 def unmutated_test_files() -> list[str]:
     """Test files the series adds that no break in ``MUTATIONS`` targets."""
     from manifest import load_manifest  # tools/manifest.py
 
-    covered = {test.split("::")[0] for test, *_ in MUTATIONS}
+    covered = {test.split("::")[0] for _, test, *_ in MUTATIONS}
     return [
         rel
         for patch in load_manifest().patches
@@ -219,8 +256,10 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
                    log, env)  # fmt: skip
         worktrees.put(worktree)
 
+    mutations, parked = active_mutations()
+
     def mutate(index: int) -> tuple[str, str | None]:
-        test, target, old, new = MUTATIONS[index]
+        test, target, old, new = mutations[index]
         worktree = worktrees.get()
         part = log.with_suffix(f".{index}.log")
         part.write_text(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
@@ -247,7 +286,7 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
     missed = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            outcomes = list(pool.map(mutate, range(len(MUTATIONS))))
+            outcomes = list(pool.map(mutate, range(len(mutations))))
     finally:
         for i in range(2):
             remove_worktree(ROOT / "build" / f"mutant-{i}")
@@ -260,7 +299,12 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
     for rel in unmutated_test_files():
         res.failed += 1
         missed.append(f"{Path(rel).name}: no break in MUTATIONS")
-    res.note = f"{res.passed} of {len(MUTATIONS)} breaks caught" + (
+    res.note = f"{res.passed} of {len(mutations)} breaks caught" + (
         "; " + "; ".join(missed) if missed else ""
     )
+    if parked:
+        res.note += f"; {len(parked)} parked with their patches"
+        with open(log, "a", encoding="utf-8") as f:
+            f.write("\nparked (their patches are parked in series/manifest.toml):\n")
+            f.writelines(f"  {name}\n" for name in parked)
     return res
