@@ -65,7 +65,7 @@ from testrun.common import (
 from testrun.lint import run_lint, run_lint_project, update_mypy_baseline
 from testrun.mutations import run_mutations
 from testrun.project_checks import run_checks, run_e2e
-from testrun.pytest_runs import BATCHED, run_batch, run_buildkite, run_stack1
+from testrun.pytest_runs import BATCHED, run_batch, run_stack1
 from testrun.report import print_table, write_summary
 from testrun.suites import SUITES, Suite
 
@@ -86,8 +86,6 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = run_mutations(log, env)
     elif suite.kind == "e2e":
         res = run_e2e(suite, log, env)
-    elif suite.kind == "buildkite":
-        res = run_buildkite(suite, log, env)
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))

@@ -152,14 +152,6 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "if plan.changes_reads:",
         "if False:",
     ),
-    # Two real engines: the decoder reads the prompt's blocks in reverse.
-    (
-        "nixl-ci",
-        "v1/kv_connector/nixl_integration/test_nixl_cpu_pd.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
-        "local_block_ids, remote_block_ids\n        )",
-        "local_block_ids, [g[::-1] for g in remote_block_ids]\n        )",
-    ),
     # A prefiller rank's heads read from its first head's place (heads of a
     # rank other than 0 land wrong).
     (

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fork import ROOT, TREE, load_manifest
+from fork import BASE_TAG, TREE, load_manifest
 
 from testrun.common import (
     PLUGINS,
@@ -26,29 +26,8 @@ from testrun.common import (
     plural,
     pythonpath,
     run_logged,
-    tail,
 )
-from testrun.suites import CPU_JOB, Suite, file_markers
-
-
-def cpu_job_commands() -> list[list[str]]:
-    """The pytest command lines of the series' Buildkite CPU job."""
-    import shlex
-
-    import yaml
-
-    path, key = CPU_JOB
-    if not (TREE / path).is_file():
-        return []
-    steps = yaml.safe_load((TREE / path).read_text(encoding="utf-8"))["steps"] or []
-    for step in steps:
-        if step.get("key") == key:
-            return [
-                shlex.split(cmd)
-                for cmd in step["commands"]
-                if cmd.startswith("pytest ")
-            ]
-    return []
+from testrun.suites import Suite, file_markers
 
 
 def series_test_files() -> list[str]:
@@ -175,32 +154,6 @@ def run_pytest(
     return res
 
 
-def run_buildkite(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """The pytest command lines of the series' Buildkite CPU job, verbatim."""
-    res = Result(suite.name)
-    commands = cpu_job_commands()
-    # Its two-engine test runs real engines: the CPU extension, built from the
-    # verified sdist on first use (tools/cpu_ext.py, cached) and linked in.
-    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE)]
-    if run_logged(cmd, ROOT, log, env) != 0:
-        return Result(suite.name, failed=1, note="CPU extension build failed: "
-                      + tail(log, 3).replace("\n", " "))  # fmt: skip
-    if not commands:
-        res.note = f"no step {CPU_JOB[1]} in {CPU_JOB[0]} yet"
-    for i, cmd in enumerate(commands):
-        junit = RESULTS / f"buildkite-{i}.xml"
-        junit.unlink(missing_ok=True)
-        full = [PYTHON, "-m", *cmd, "-p", "no:cacheprovider", f"--junitxml={junit}"]
-        rc = run_logged(full, TREE / "tests", log, env)
-        counts = parse_junit(junit) if junit.exists() else JunitCounts(failed=1)
-        res.passed += counts.passed
-        res.skipped += counts.skipped
-        res.failed += counts.failed or int(rc not in (0, 5))
-    if commands:
-        res.note = f"{plural(len(commands), 'pytest command')} of {CPU_JOB[1]}"
-    return res
-
-
 BATCHED = ("series", "pytest")
 
 
@@ -213,16 +166,13 @@ def run_batch(suites: list[Suite], env: dict[str, str]) -> list[Result]:
     testcases of its files; its seconds are its share of the run's wall time,
     in proportion to its tests' summed durations.
     """
-    # The CPU job runs its files' real-NIXL tests (not cpu_test); their
-    # cpu_test tests and the other series files (GPU tests skip) run here.
-    in_job = {arg for cmd in cpu_job_commands() for arg in cmd}
+    # The series' files run whole: upstream's jobs collect their cpu_test
+    # tests (":computer: (CPU) V1 Others") and the real-NIXL ones (the H200
+    # "V1 KV Connectors" job, NIXL baked into its image); GPU tests skip here.
     rows: list[tuple[Suite, dict[str, str | None]]] = []
     for suite in suites:
         if suite.kind == "series":
-            files = {
-                f: (None if f not in in_job else "cpu_test")
-                for f in series_test_files()
-            }
+            files = dict.fromkeys(series_test_files())
         else:
             files = dict.fromkeys(suite.paths, suite.marker)
         rows.append((suite, files))
@@ -319,5 +269,5 @@ def run_stack1(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         suite.name, paths, None, suite.workers, log, env,
         cwd=STACK1_TREE / "tests", file_markers=markers or None,
     )  # fmt: skip
-    res.note = f"v0.33.0 + {len(commits)} patches by git am; " + res.note
+    res.note = f"{BASE_TAG} + {len(commits)} patches by git am; " + res.note
     return res

@@ -44,7 +44,7 @@ class Suite:
     paths: tuple[str, ...] = ()
     marker: str | None = None
     workers: int = 0
-    stock: int | None = None  # passed count on stock 0.33.0 (for reference)
+    stock: int | None = None  # passed count on the stock release (for reference)
     quick: bool = False
 
 
@@ -79,8 +79,6 @@ SUITES: list[Suite] = [
     _lint("markdownlint", r"\.md$", "{markdownlint}", "--config",
           "tools/pre_commit/.markdownlint.yaml"),
     Suite("lint:project", "lint-project", quick=True),
-    # The series' Buildkite CPU job, its pytest command lines verbatim.
-    Suite("buildkite:nixl-cpu-job", "buildkite", quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
     # The first stack alone, as `git am` puts it on a pristine release
     # (roundtrip leaves that tree): the tests its patches add or change.
@@ -115,11 +113,3 @@ def file_markers(paths: list[str]) -> dict[str, str]:
     """The marker each of ``paths`` runs with in its pytest suite, if any."""
     markers = {p: s.marker for s in SUITES for p in s.paths if s.marker}
     return {p: markers[p] for p in paths if p in markers}
-
-
-# The series' CPU job in the fork's Buildkite config (it also runs upstream's
-# test_nixl_desc_geometry.py: stock 254 passed).
-CPU_JOB = (
-    ".buildkite/test_areas/disaggregated.yaml",
-    "nixlconnector-unit-real-nixl-cpu",
-)
