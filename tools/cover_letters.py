@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from manifest import VLLM_VERSION
+
 ROOT = Path(__file__).resolve().parent.parent
 COVERS = ROOT / "series" / "covers"
 BENCH = ROOT / "build" / "bench"
@@ -150,7 +152,7 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
         *_table(header, body),
         "",
         "`-> N`: the decoder reads its regions as N (coalesced reads). Each "
-        "column runs in a process of its own tree (stock: v0.33.0).",
+        f"column runs in a process of its own tree (stock: v{VLLM_VERSION}).",
     ]
 
 
@@ -238,7 +240,8 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         *_table(header, body),
         "",
         *([*notes, ""] if notes else []),
-        "Stock is vLLM 0.33.0, series the whole series, each in its own tree and "
+        f"Stock is vLLM {VLLM_VERSION}, series the whole series, each in its own tree "
+        "and "
         "process with the layout it resolves; regions P / D: what each side "
         "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
         "NIXL telemetry descCount per request's READ, over the job's replayed "
@@ -316,7 +319,7 @@ def render_allocator_step(rows: list[dict[str, Any]], _: str | None) -> list[str
 
 
 def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
-    """tools/bench_series.sh: the exported benchmark on stock 0.33.0 and the fork."""
+    """tools/bench_series.sh: the exported benchmark on stock and the fork."""
     if data.get("schema") != "bench-series/1":
         raise ValueError(f"schema {data.get('schema')!r}, want 'bench-series/1'")
 
@@ -324,7 +327,7 @@ def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
         return f"{values[0]:{fmt}} / {values[1]:{fmt}}"
 
     body = [
-        (r["layout"], "stock 0.33.0" if r["tree"] == "stock" else "series",
+        (r["layout"], f"stock {VLLM_VERSION}" if r["tree"] == "stock" else "series",
          "{} / {}".format(*r["regions"]), r["reads"], pair(r["descs"], ",.0f"),
          pair(r["floor"], ",.0f"), pair(r["done_ms"], ",.2f"),
          f"{r['cold_ms']:,.2f}", "match" if r["ok"] else "MISMATCH")

@@ -6,13 +6,13 @@ Run it with the project venv's python after `tools/fork.py build` (that is what
 (``tools/testrun/suites.py``); each kind has its runner in ``tools/testrun/``:
 
 * ``lint``: one upstream lint tool over the files the series adds or touches
-  (``git diff --name-only v0.33.0..HEAD`` in build/vllm), run from build/vllm
+  (``git diff --name-only v<release>..HEAD`` in build/vllm), run from build/vllm
   with the tree's own configs. A tool with no matching files passes.
 * ``series``: pytest over the test files the manifest's patches add.
 * ``roundtrip``: ``tools/fork.py roundtrip``.
 * ``pytest``: an upstream pytest selection (run inside build/vllm/tests).
 * ``checks``: the project-level checks (``checks/``, not exported): the layout
-  zoo, the real-NIXL pairing matrix held against stock 0.33.0 (run first on
+  zoo, the real-NIXL pairing matrix held against the stock release (run first on
   ``build/stock``, a worktree of the pristine tag), descriptor floors.
 * ``mutations``: each exported test file must fail on a fork with one
   deliberate break (``MUTATIONS`` in ``testrun/mutations.py``).

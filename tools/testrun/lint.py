@@ -2,7 +2,7 @@
 """Lint suites: upstream's tools on the files the series touches, and ruff
 over the project's own Python (``lint:project``).
 
-mypy and typos findings that stock 0.33.0 already has do not fail a row
+mypy and typos findings that the stock release already has do not fail a row
 (``tools/mypy_baseline.txt``; typos in the pristine file).
 """
 
@@ -115,7 +115,7 @@ def run_mypy(
 def update_mypy_baseline() -> int:
     """Add stock mypy errors of the touched upstream files to the baseline.
 
-    Runs mypy on the pristine v0.33.0 versions of the files the series
+    Runs mypy on the pristine release versions of the files the series
     modifies (in a temporary worktree) and merges them into the baseline.
     """
     env = run_env()
