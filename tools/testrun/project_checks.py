@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The checks and e2e suites: the project's own checks (``checks/``), held
-against stock 0.33.0 run as the oracle, and real engines (``checks/e2e``).
+against the stock release run as the oracle, and real engines (``checks/e2e``).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import TextIO
@@ -15,6 +17,7 @@ from fork import BASE_TAG, ROOT, TREE, load_manifest
 
 from testrun.common import (
     PYTHON,
+    RESULTS,
     Result,
     add_worktree,
     git_lines,
@@ -23,7 +26,7 @@ from testrun.common import (
     run_logged,
     tail,
 )
-from testrun.pytest_runs import run_pytest
+from testrun.pytest_runs import junit_cases, run_pytest
 from testrun.suites import Suite
 
 STOCK_TREE = ROOT / "build" / "stock"
@@ -49,12 +52,14 @@ def stock_worktree() -> Path:
     return STOCK_TREE
 
 
-def fault_prefix_worktrees() -> dict[str, Path]:
-    """Worktrees of build/vllm at the last commit of each ``FAULT_PREFIXES``."""
+def fault_prefix_worktrees(
+    prefixes: tuple[str, ...] = FAULT_PREFIXES,
+) -> dict[str, Path]:
+    """Worktrees of build/vllm at the last commit of each of ``prefixes``."""
     names = [patch.name for patch in load_manifest().patches]
     commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
     trees = {}
-    for name in FAULT_PREFIXES:
+    for name in prefixes:
         commit = commits[names.index(name)]
         path = FAULT_PREFIX_DIR / name
         head = subprocess.run(
@@ -85,7 +90,13 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
     procs = []
     faults = CHECKS_OUT / "stock_faults.json"
-    prefixes = fault_prefix_worktrees()
+    # A prefix ending in a parked patch is not in build/vllm: its fault runs
+    # are parked with it (checks/test_faults.py lists them as skipped).
+    built = {patch.name for patch in load_manifest().patches}
+    parked_prefixes = [name for name in FAULT_PREFIXES if name not in built]
+    prefixes = fault_prefix_worktrees(
+        tuple(name for name in FAULT_PREFIXES if name in built)
+    )
     prefix_faults = {
         name: CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes
     }
@@ -120,6 +131,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         STOCK_MATRIX=str(oracle),
         STOCK_FAULTS=str(faults),
         PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
+        PARKED_FAULT_PREFIXES=os.pathsep.join(parked_prefixes),
         STOCK_TREE=str(stock),
     )
     res = run_pytest(
@@ -131,7 +143,27 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         f"(also on {len(prefixes)} prefixes)"
     )
     res.note = f"{cases}; " + res.note.replace("2 files", "checks/")
+    parked = _parked_note(RESULTS / f"{suite.name.replace(':', '-')}.xml")
+    if parked:
+        res.note = f"{parked}; {res.note}"
     return res
+
+
+def _parked_note(junit: Path) -> str:
+    """'N cases parked (M with the layout stack, ...)': the skips whose reason
+    starts with ``parked:`` (checks/parked.py), counted by the stack of the
+    patches they need."""
+    if not junit.exists():
+        return ""
+    stacks: collections.Counter[str] = collections.Counter()
+    for case in junit_cases(junit):
+        if case.outcome == "skipped" and (case.reason or "").startswith("parked:"):
+            stack = re.match(r"parked: (\w+) stack", case.reason or "")
+            stacks[stack[1] if stack else "?"] += 1
+    if not stacks:
+        return ""
+    parts = ", ".join(f"{n} with the {st} stack" for st, n in stacks.most_common())
+    return f"{sum(stacks.values())} cases parked ({parts})"
 
 
 def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
@@ -148,6 +180,7 @@ def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     # The engines run in their own processes, each on its tree; pytest itself
     # imports no vLLM (--noconftest: not checks/conftest.py's fork fixtures).
     cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
+    cenv["FORK_CPU_RUNNER"] = "standalone"  # engines run without Triton
     res = run_pytest(suite.name, ["--noconftest", "checks/e2e"], None, 0, log,
                      cenv, cwd=ROOT)  # fmt: skip
     res.note = res.note.replace("2 files", "checks/e2e")
