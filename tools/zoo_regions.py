@@ -7,13 +7,20 @@ workers twice with the real registration and handshake (NIXL recorded, not
 called: registration and the read plan do not depend on it), each time in a
 process of its own tree:
 
-- stock: the 0.33.0 tree (``--stock``, the main job's stock worktree by
-  default): per-layer host staging buffers, standard reads;
-- series: the fork (``--fork``): host staging mirroring single-group MLA
-  rows, coalesced reads on the decoder.
+- stock: the release tree (``--stock``, the main job's stock worktree
+  ``build/prefixes/v<version>`` of ``series/release.toml`` by default, made
+  when missing): per-layer host staging buffers, standard reads;
+- series: the fork as built (``--fork``, ``build/vllm``): with the layout
+  stack, host staging mirroring single-group MLA rows and coalesced reads on
+  the decoder. While ``series/manifest.toml`` parks those patches the column
+  is the built series' and the lines ``parked: ...`` name what it lacks.
 
 and print the regions each side registers and the regions the decoder reads.
-"refused" is a handshake the worker refuses. Run from the repository:
+"refused" is a handshake the worker refuses; "failed" a pair the zoo could
+not build on that tree. If ``checks/layout_zoo.py`` does not import on a
+tree (checks/ being ported to a new release) the script prints ``parked:
+<reason>`` and exits with status 75 (``PARKED``), which ``tools/main.sh``
+reports and passes. Run from the repository:
 
     python tools/zoo_regions.py [--layers 78] [--json FILE]
 """
@@ -28,6 +35,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tools" / "bench")]
+# Exit status of a run whose checks/ code does not work on a tree yet.
+PARKED = 75
+# Patches whose figures the series column shows once built (mirrored host
+# staging, coalesced reads, page reads into rows).
+SERIES_FEATURES = (
+    "nixl-row-page-reads",
+    "nixl-mirrored-host-staging",
+    "nixl-coalesced-reads",
+)
 # A layout name with this suffix is built with its pages in another order
 # (``build_zoo_layout(permute_seed=1)``).
 PERMUTED = "@permuted"
@@ -41,7 +58,7 @@ PAIRS = [
     ("dsv2-fp8/BLHNC", "dsv2-fp8/BLHNC"),
     ("mla-swa/BLHNC", "mla-swa/BLHNC"),
     ("gpt-oss/BLHNC", "gpt-oss/BLHNC"),
-    # GQA (issue 39): LBHNC, what NIXL requires for them in 0.33.0, against
+    # GQA (issue 39): LBHNC, what NIXL requires for them on stock, against
     # BHLNC rows, the fork's preference (one KV head per rank: llama).
     ("llama/LBHNC", "llama/LBHNC"),
     ("llama/BHLNC", "llama/BHLNC"),
@@ -78,8 +95,19 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
 
 
 def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict:
-    prefill, _ = _worker(zoo, p_name, layers, "prefill", series)
-    decode, d_layout = _worker(zoo, d_name, layers, "decode", series)
+    try:
+        prefill, _ = _worker(zoo, p_name, layers, "prefill", series)
+        decode, d_layout = _worker(zoo, d_name, layers, "decode", series)
+    except Exception as e:  # noqa: BLE001 - the zoo cannot build it here
+        # Shown in the table as failed, with the error (never dropped).
+        last = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        return {
+            "prefill_regions": None,
+            "decode_regions": None,
+            "synthetic": False,
+            "read_as": None,
+            "status": f"failed ({last})",
+        }
     row: dict[str, Any] = {
         "prefill_regions": prefill.num_regions,
         "decode_regions": decode.num_regions,
@@ -112,7 +140,12 @@ def _column(column: str, layers: int) -> int:
     from job_noise import NOISE, filter_library_handlers, hide_expected_noise
 
     hide_expected_noise()
-    import checks.layout_zoo as zoo
+    try:
+        import checks.layout_zoo as zoo
+    except Exception as e:  # noqa: BLE001 - checks/ not ported to this tree
+        reason = f"checks/layout_zoo.py does not import: {type(e).__name__}: {e}"
+        print(json.dumps({"parked": reason.splitlines()[0]}))
+        return 0
 
     filter_library_handlers()
     series = column == "series"
@@ -137,23 +170,50 @@ def _run_column(column: str, tree: Path, layers: int) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _parked_features() -> list[str]:
+    """``parked: ...`` for each series feature whose patch the manifest parks."""
+    from job_parked import parked_patches
+
+    parked = {p.name: p for p in parked_patches()}
+    return [
+        f"parked: zoo regions, series column with {name}: needs "
+        f"{parked[name].label} ({parked[name].reason})"
+        for name in SERIES_FEATURES
+        if name in parked
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=78)
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument(
-        "--stock", type=Path, default=ROOT / "build" / "prefixes" / "v0.33.0"
+        "--stock",
+        type=Path,
+        default=None,
+        help="stock tree (default: build/prefixes/<release tag>, made when missing)",
     )
     parser.add_argument("--fork", type=Path, default=ROOT / "build" / "vllm")
     parser.add_argument("--column", choices=["stock", "series"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.column:
         return _column(args.column, args.layers)
+    if args.stock is None:
+        from job_variants import PREFIX_DIR, discover, ensure_worktree
+
+        stock = discover().variants[0]
+        args.stock = PREFIX_DIR / stock.subject
+        ensure_worktree(args.stock, stock.commit)
 
     columns = {
         "stock": _run_column("stock", args.stock, args.layers),
         "series": _run_column("series", args.fork, args.layers),
     }
+    parked = [f"{k}: {c['parked']}" for k, c in columns.items() if "parked" in c]
+    if parked:
+        for reason in parked:
+            print(f"parked: zoo regions ({reason})")
+        return PARKED
     rows = []
     for (p_name, d_name), stock, series in zip(
         PAIRS, columns["stock"]["rows"], columns["series"]["rows"], strict=True
@@ -174,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def cell(side: dict) -> str:
+        if side["prefill_regions"] is None:
+            return side["status"]
         regions = f"{side['prefill_regions']} / {side['decode_regions']}"
         if side["read_as"] is None:
             return f"{regions}, {side['status']}"
@@ -193,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if row["stock"]["synthetic"]:
             label += " (SYNTHETIC)"
         print(f"| {label} | {cell(row['stock'])} | {cell(row['series'])} |")
+    for line in _parked_features():
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -127,8 +127,8 @@ class Child:
         self.recorder = Recorder()
         self.recorder.install(NixlWrapper)
         self.copier = Copier()
-        # 0006 ships coalesced reads on, without a switch: a tree has them
-        # when its pull worker plans them.
+        # nixl-coalesced-reads ships coalesced reads on, without a switch: a
+        # tree has them when its pull worker plans them.
         coalesce = hasattr(pull_worker, "plan_coalesced_reads")
         self.coalesce = coalesce
         return {

@@ -109,6 +109,11 @@ class Scenario:
         verify_every: Check the bytes of every READ, whatever ``--verify``
             says (each KV head against the prefiller rank that holds it).
         description: One line for the legend.
+        parked_series: ``(patch name, what)`` pairs: what the scenario's
+            series row shows with a patch the manifest parks (a layout
+            preference, mirrored staging, coalesced reads). While it is
+            parked the row is the built series' and the job lists the
+            feature as parked (``job_parked.py``).
 
     """
 
@@ -129,6 +134,7 @@ class Scenario:
     d_tp: int = 1
     verify_every: bool = False
     description: str = ""
+    parked_series: tuple[tuple[str, str], ...] = ()
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
         """The zoo layout names of both sides, given a tree's resolved layout."""
@@ -150,6 +156,12 @@ SCENARIOS = (
         "glm53-mtp/{layout}",
         "glm53-mtp/{layout}",
         default_layout=DefaultLayout("glm53-mtp", GLM53_BACKENDS),
+        parked_series=(
+            (
+                "nixl-mla-block-outermost-layout",
+                "the series' BLHNC default for MLA: one whole-row region",
+            ),
+        ),
         description="what a user gets without setting a layout: each tree "
         "resolves it (resolve_kv_cache_layout with a NixlConnector "
         "kv_transfer_config, the model's specs and its backends' declared "
@@ -177,6 +189,12 @@ SCENARIOS = (
         ),
         staging_recipe="glm53-mtp+host-staging/BLHNC",
         rows=("nixl-row-page-reads", "nixl-mirrored-host-staging"),
+        parked_series=(
+            (
+                "nixl-mirrored-host-staging",
+                "staging in one buffer mirroring the device row: one region",
+            ),
+        ),
         description="kv_buffer_device=cpu on both sides (P+D) or on the decoder "
         "only (D only; stock refuses a staging prefiller with a device BLHNC "
         "decoder): stock stages in per-layer buffers (103 regions), the "
@@ -189,6 +207,9 @@ SCENARIOS = (
         "glm53/BLHNC",
         "hisparse-glm53/BLHNC",
         rows=("nixl-coalesced-reads",),
+        parked_series=(
+            ("nixl-coalesced-reads", "the decoder reads its 101 regions as fewer"),
+        ),
         description="device row of strided indexer pages + LBNHC host pool of "
         "per-layer MLA pages (101 regions) on the decoder",
     ),
@@ -200,18 +221,17 @@ SCENARIOS = (
         "dsv4-mtp/BLHNC",
         pairings=(
             Pairing(),
-            Pairing(
-                "P+D staging",
-                p_stages=True,
-                d_stages=True,
-                stock_bug="per-layer h2d staging copies every layer for every "
-                "group's blocks over the aliased row (fixed by 0001)",
-            ),
+            # 0.33.0's h2d staging copy overwrote the aliased row (the
+            # series' host-staging-group-copies fixed it); 0.34.0 copies
+            # each transfer group's layers with its own blocks: stock is
+            # measured.
+            Pairing("P+D staging", p_stages=True, d_stages=True),
         ),
         staging_recipe="dsv4-mtp+host-staging/BLHNC",
         model_block_tokens=256,
         disjoint_groups=True,
         rows=("nixl-host-staging-group-copies",),
+        parked_series=(("nixl-coalesced-reads", "coalesced reads"),),
         description="8 layers + MTP at the model's page sizes and 256-token "
         "blocks, lists replayed through 256-token pools; each transfer group "
         "reads its own contiguous share of a request's list (SYNTHETIC "
@@ -231,6 +251,9 @@ SCENARIOS = (
         "synthetic/glm-draft-storage",
         synthetic_layout=True,
         rows=("nixl-coalesced-reads",),
+        parked_series=(
+            ("nixl-coalesced-reads", "the decoder reads its 102 regions as 2"),
+        ),
         description="the GLM-5.3 row + a draft MLA cache in its own allocation "
         "(102 regions), the row of the upstream change's report",
     ),
@@ -242,6 +265,12 @@ SCENARIOS = (
         "llama/{layout}",
         default_layout=DefaultLayout("llama", GQA_BACKENDS, mla=False),
         num_layers=80,
+        parked_series=(
+            (
+                "nixl-gqa-head-major-rows",
+                "the series' BHLNC default for GQA: one row region",
+            ),
+        ),
         description="not MLA: 80 full-attention layers, 8 KV heads of 128 "
         "(bf16) served at TP=8, one rank pair's share (one head each side); "
         "what a user gets without setting a layout (each tree resolves it as "

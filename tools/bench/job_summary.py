@@ -17,11 +17,18 @@ from typing import Any
 import numpy as np
 from job_noise import package_version
 
+try:
+    from manifest import BASE_TAG  # tools/manifest.py: series/release.toml
+except ImportError:  # tools/ not on sys.path
+    BASE_TAG = "the release tag"
+
 # One line per column or term of the tables (the JSON's "definitions").
 DEFINITIONS = {
-    "variants": "stock is the v0.33.0 tree; 0001, 0001-0002, ... each prefix of "
-    "the series, every lever as that prefix ships it (its own tree, nothing "
-    "emulated).",
+    "variants": f"stock is the {BASE_TAG} tree; then each prefix of the series "
+    "as build/vllm builds it, every lever as that prefix ships it (its own "
+    "tree, nothing emulated); a prefix is numbered by its last patch's place "
+    "in series/manifest.toml, parked patches counted (they get no row: see "
+    "Parked).",
     "registered descs": "regions x blocks of the KV memory one side registers "
     "with NIXL; regions P / D -> N: the decoder reads its regions as N "
     "(coalesced reads).",

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The main job's rolling-upgrade scenario: P and D from different trees.
 
-A fleet upgrades one instance at a time, so for a while a stock 0.33.0
-prefiller serves a patched decoder and the reverse. Each side here is the
-default configuration of GLM-5.3 + MTP (NixlConnector, no layout or block
-size set) in a process of its own tree (``checks/cross_tree.py``), which
-resolves its own layout (stock: LBNHC, one dense region per layer page; the
-series: BLHNC, one whole-row region), builds the main job's geometry (78
+A fleet upgrades one instance at a time, so for a while a stock prefiller
+(the release of ``series/release.toml``) serves a patched decoder and the
+reverse. Each side here is the default configuration of GLM-5.3 + MTP
+(NixlConnector, no layout or block size set) in a process of its own tree
+(``checks/cross_tree.py``), which resolves its own layout (stock: LBNHC, one
+dense region per layer page; the series: what its tree resolves, BLHNC, one
+whole-row region, once the layout stack's MLA preference is built; while it
+is parked, LBNHC as stock), builds the main job's geometry (78
 layers, 4-token pages) with vLLM's planner and allocator, and registers it
 with a real pull worker. The decoder handshakes with the prefiller's payload
 (compatibility hash checked) and reads the job's replayed requests through
@@ -32,12 +34,17 @@ import numpy as np
 
 from checks.cross_tree import Config, Processes
 
+try:
+    from manifest import VLLM_VERSION  # tools/manifest.py: series/release.toml
+except ImportError:  # tools/ not on sys.path
+    VLLM_VERSION = "release"
+
 MODEL = "glm53-mtp"
 # (prefiller tree, decoder tree): stock + stock first, the oracle.
 PAIRS = (("stock", "stock"), ("stock", "fork"), ("fork", "stock"), ("fork", "fork"))
-LABELS = {"stock": "stock 0.33.0", "fork": "series"}
+LABELS = {"stock": f"stock {VLLM_VERSION}", "fork": "series"}
 TEXT = (
-    "Mixed pair (stock 0.33.0 and the fork; the same version, so the "
+    f"Mixed pair (stock {VLLM_VERSION} and the fork; the same version, so the "
     "compatibility hash accepts it): GLM-5.3 + MTP with no layout or block "
     "size set, each "
     "side in a process of its own tree, which resolves its own layout (as on "

@@ -13,6 +13,8 @@ The job is split by what a reader looks for:
   ``checks/layout_zoo.py``, planned and allocated by vLLM's own planner and
   allocator at 78 layers) and ``job_variants.py`` (stock, then every prefix of
   the series, each the real code of its own worktree of ``build/vllm``);
+  ``job_parked.py``: the rows that need a patch ``series/manifest.toml``
+  parks (listed by name, never run);
 - the rig: ``job_rig.py`` (one process per variant, stopped while another
   reads), ``job_child.py`` (inside a variant's process: its workers, READs,
   staging copies, checks), ``job_nixl.py`` (recorder, memmove and NIXL
@@ -59,6 +61,10 @@ JSON (``<out>/nixl_descriptors.json``, schema 4; ``report.py`` renders it)::
                        "transfers", "blocks_p50", ..., "notes"}},
      "scenarios": [{"key", "short", "label", "prefiller", "decoder",
                     "pairings", "synthetic_layout", "rows", "description"}],
+     "parked": {"patches": [{"number", "name", "stack", "reason", "code",
+                             "label"}],
+                "rows": [{"scenario", "pairing", "where", "needs": [label],
+                          "what": {label: text}}], "count"},
      "rows": [{"scenario", "pairing", "variant", "label", "status",
                "error",                            # when not "ok"
                "switches": {"order", "pool", "read", "staging", "layout"},
@@ -115,6 +121,7 @@ for _path in (BENCH_DIR, REPO_ROOT / "tools", REPO_ROOT):
 
 import job_lists  # noqa: E402
 import job_nixl  # noqa: E402
+import job_parked  # noqa: E402
 import job_rig  # noqa: E402
 import job_summary  # noqa: E402
 import job_upgrade  # noqa: E402
@@ -389,7 +396,7 @@ class Job:
         for group in groups:
             lead = group[0].key
             given = {k: getattr(args, k) for k in keys}
-            given["replay_args"] = (given["replay_args"] or "") + extra
+            given["replay_args"] = _override(given["replay_args"] or "", extra)
             self.procs[lead].post(
                 "lists",
                 args=given,
@@ -549,6 +556,24 @@ class Job:
             self.floor.close()
 
 
+def _override(replay_args: str, extra: str) -> str:
+    """``replay_args`` with ``extra``'s options in place of their own."""
+    words, given = shlex.split(replay_args), shlex.split(extra)
+    names = {w for w in given if w.startswith("--")}
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in names:
+            skip = "=" not in word
+            continue
+        kept.append(word)
+    return shlex.join([*kept, *given])
+
+
 def _layout_blocks(raw: dict[str, Any], records: dict[str, dict[str, Any]]) -> int:
     """Blocks per side: every compacted READ fits, rounded up to 256."""
     span = max(r["span"] for r in records.values())
@@ -578,6 +603,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     phases = [(s, p) for s in args.scenarios for p in s.pairings]
+    patches = job_parked.parked_patches()
+    parked = job_parked.record(
+        patches, job_parked.parked_rows(args.scenarios, args.upgrade, patches)
+    )
+    if parked["count"]:
+        note(
+            f"parked: {parked['count']} rows need one of the "
+            f"{len(patches)} patches the manifest parks; listed at the end, not run"
+        )
     rows: list[dict[str, Any]] = []
     try:
         job.start()
@@ -652,6 +686,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in args.scenarios
         ],
         "rows": rows,
+        # Rows that need a parked patch (job_parked.py): listed, not run.
+        "parked": parked,
         "rolling_upgrade": {"text": job_upgrade.TEXT, "rows": upgrade},
         "timing": job.timing,
         "noise": NOISE.counts(),

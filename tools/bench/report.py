@@ -423,19 +423,35 @@ def _legend(payload: dict[str, Any]) -> list[str]:
     lines = []
     facts = payload["facts"]
     for s in payload["scenarios"]:
+        base = payload["series"]["base_tag"].lstrip("v")
         tag = (
-            " (vLLM 0.33.0's allocator never builds this layout)"
+            f" (vLLM {base}'s allocator never builds this layout)"
             if s["synthetic_layout"]
             else ""
         )
         lines.append(f"{_scenario(s)}: {s['label']}: {s['description']}{tag}.")
         if s.get("rows"):
-            lines.append(
-                "    Rows: stock, the prefix through "
-                + " and through ".join(s["rows"])
-                + " (the patches that introduced this read path) and the series; "
-                "the other prefixes are left out to keep the job short."
-            )
+            parked = {
+                p["name"] for p in (payload.get("parked") or {}).get("patches", [])
+            }
+            built = [n for n in s["rows"] if n not in parked]
+            held = [n for n in s["rows"] if n in parked]
+            text = "    Rows: stock and the series"
+            if built:
+                text = (
+                    "    Rows: stock, the prefix through "
+                    + " and through ".join(built)
+                    + " (the patches that introduced this read path) and the "
+                    "series; the other prefixes are left out to keep the job short"
+                )
+            if held:
+                text += (
+                    "; the prefixes through "
+                    + " and through ".join(held)
+                    + " (which introduced this read path) are parked: no row "
+                    "until built"
+                )
+            lines.append(text + ".")
         for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
             sw = r["switches"]
             layout = r["layout"] or {}
@@ -573,6 +589,36 @@ def _tables(payload: dict[str, Any], fmt: Any, short: bool = False) -> list[str]
     return lines
 
 
+def parked_lines(payload: dict[str, Any], markdown: bool = False) -> list[str]:
+    """``parked: <scenario/row>: needs <patch>``: the rows that need a patch
+    series/manifest.toml parks (``job_parked.py``), the count first."""
+    parked = payload.get("parked") or {}
+    if not parked.get("rows"):
+        return []
+    lines = [
+        "",
+        f"Parked: {parked['count']} rows in {len(parked['rows'])} row groups need "
+        "patches series/manifest.toml parks (kept, not built, so not run):",
+        "",
+    ]
+    bullet = "- " if markdown else "  "
+    for row in parked["rows"]:
+        # Long lists by number (the names follow, per reason).
+        short = len(row["needs"]) > 3
+        needs = ", ".join(
+            (label.split(" ", 1)[0] if short else label)
+            + (f" ({row['what'][label]})" if label in row["what"] else "")
+            for label in row["needs"]
+        )
+        lines.append(f"{bullet}parked: {row['where']}: needs {needs}")
+    reasons: dict[str, list[str]] = {}
+    for patch in parked["patches"]:
+        reasons.setdefault(patch["reason"], []).append(patch["label"])
+    for reason, labels in reasons.items():
+        lines.append(f"{bullet}parked patches ({reason}): {', '.join(labels)}")
+    return lines
+
+
 def _failure_lines(payload: dict[str, Any], markdown: bool) -> list[str]:
     notes = failure_notes(payload)
     if not notes:
@@ -600,6 +646,7 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
     ]
     lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}), short=True)
     lines += _failure_lines(payload, markdown=False)
+    lines += parked_lines(payload)
     lines += ["", *_proj_notes(payload)]
     lines += [f"{name}: {text}" for name, text in payload["definitions"].items()]
     notes = _notes(payload)
@@ -625,6 +672,7 @@ def render_tables(payload: dict[str, Any]) -> list[str]:
     """
     lines = _tables(payload, _markdown)
     lines += _failure_lines(payload, markdown=True)
+    lines += parked_lines(payload, markdown=True)
     lines.append("")
     lines += [
         f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
