@@ -90,12 +90,15 @@ SUITES: list[Suite] = [
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
           paths=(f"{UNIT}/test_nixl_connector.py",)),
-    Suite("nixl-connector-hma", "pytest", marker="cpu_test", workers=2, stock=98,
+    Suite("nixl-connector-hma", "pytest", marker="cpu_test", workers=2, stock=103,
           paths=(f"{UNIT}/test_nixl_connector_hma.py",)),
     # Unmarked upstream: `-m cpu_test` would select nothing.
-    Suite("nixl-push-connector", "pytest", workers=2, stock=93,
+    Suite("nixl-push-connector", "pytest", workers=2, stock=91,
           paths=(f"{UNIT}/test_nixl_push_connector.py",)),
-    Suite("block-pool", "pytest", marker="cpu_test", workers=2, stock=295, paths=(
+    # Unmarked too: the descriptor geometry of every registration branch.
+    Suite("nixl-desc-geometry", "pytest", workers=2, stock=330,
+          paths=(f"{UNIT}/test_nixl_desc_geometry.py",)),
+    Suite("block-pool", "pytest", marker="cpu_test", workers=2, stock=309, paths=(
         "v1/core/test_prefix_caching.py",
         "v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
         "v1/core/test_single_type_kv_cache_manager.py",
