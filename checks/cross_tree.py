@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """P/D pairs across trees: each side a configuration, in its own tree's process.
 
-A rolling upgrade pairs a stock 0.33.0 instance with a patched one. Here each
+A rolling upgrade pairs a stock 0.34.0 instance with a patched one. Here each
 side of a pair is what a user sets (``Config``: the tree, the model, device or
 host staging, ``--block-size``, ``VLLM_KV_CACHE_LAYOUT``, NIXL alone or in a
 MultiConnector) and runs in a process of its tree, with that tree on
@@ -66,7 +66,7 @@ class Config:
     """What a user sets on one instance.
 
     Attributes:
-        tree: ``stock`` (pristine 0.33.0) or ``fork`` (the series).
+        tree: ``stock`` (pristine 0.34.0) or ``fork`` (the series).
         model: Zoo family prefix (``dsv32``, ``glm53-mtp``, ``mla-swa``).
         staging: ``kv_buffer_device="cpu"`` (host staging: per-layer buffers;
             on the fork, one buffer mirroring a single-group MLA row).
@@ -109,7 +109,7 @@ class Pair:
         return f"{self.prefill.label}->{self.decode.label}"
 
     def oracle(self) -> Pair:
-        """The same configurations, both on stock 0.33.0."""
+        """The same configurations, both on stock 0.34.0."""
         return Pair(
             replace(self.prefill, tree="stock"), replace(self.decode, tree="stock")
         )

@@ -23,7 +23,7 @@ and whether any decoder byte outside the request's blocks changed; then
 what vLLM's own scheduler does with that report under each
 ``kv_load_failure_policy`` (``scheduler_outcome``; for ``abort-in-flight``
 the scheduler aborts the request while its READ is in flight). The same
-code runs against stock 0.33.0 (``--json``) and the fork
+code runs against stock 0.34.0 (``--json``) and the fork
 (``checks/test_faults.py``).
 
     PYTHONPATH=build/stock:. python -m checks.faults --json stock_faults.json

@@ -20,8 +20,10 @@ running engine produces it, only scaled down:
    ``get_hisparse_kv_cache_groups`` and ``get_hisparse_kv_cache_config`` with a
    host budget of ``num_blocks`` host blocks.
 3. The worker allocates: ``allocate_kv_cache``, or ``allocate_hisparse_kv_caches``
-   with a real ``HiSparseHostPool`` (its ``pin_tensor``, a cudaHostRegister, is
-   a no-op here), kernel block size == manager block size. The returned dict,
+   with a real ``HiSparseHostPool``, on the CUDA HiSparse backend with its
+   host pinning (a cudaHostRegister) a no-op (``HostHiSparseBackend``: the
+   CPU platform has no HiSparse backend in 0.34.0); kernel block size ==
+   manager block size. The returned dict,
    including the raw 1-D buffers of view-less specs (HiSparse resident/hot),
    is what the model runner hands to ``register_kv_caches``:
    ``ZooLayout.kv_caches``.
@@ -49,7 +51,8 @@ layer's indexer cache is constructed (and reported) before its MLA cache, so
 the row is ``[I0 I1 .. | L0 L1 ..]``.
 
 Layouts (``ZOO``) and ``worker.num_regions`` under stock registration
-(``num_layers=4``, measured by ``test_layout_zoo.py``;
+(``num_layers=4``, measured on 0.33.0 by ``test_layout_zoo.py`` unless a row
+says 0.34.0;
 L = decoder layers):
 
 ==============================  =======  ==========================================
@@ -109,14 +112,15 @@ gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
                                          host buffers for layers whose device
                                          views alias (a non-MLA model of 0001's
                                          staging bug).
-gqa-mixed/BLHNC                 -        gpt-oss-like, full layers with twice
+gqa-mixed/BLHNC                 4        gpt-oss-like, full layers with twice
                                          the sliding layers' head size: each
                                          group's first page at byte 0 of the
                                          row, pages of two sizes at one
-                                         address (#57661). Stock registers
-                                         2 regions and moves half of each
-                                         full-layer page at that address; the
-                                         fork refuses it at registration.
+                                         address (#57661). 0.33.0 registered
+                                         2 regions and moved half of each
+                                         full-layer page at that address;
+                                         0.34.0 keys regions by (address,
+                                         length): 4 regions.
 nemotron-h/LBNHC                1        Nemotron-H-like Mamba2 + GQA hybrid
                                          (attention on every 4th layer); at L=4
                                          every group has one layer, so all four
@@ -168,21 +172,25 @@ dsv4-mtp+host-staging/BLHNC       27       6       ``kv_buffer_device="cpu"``: o
                                                    dense host region per layer view
                                                    (the groups share the rows, so
                                                    the fork stages per layer too).
-dsv41/BLHNC                       1        7       DeepSeek-V4.1-Flash, 5 layers
+dsv41/BLHNC                       2        7       DeepSeek-V4.1-Flash, 5 layers
                                                    (upstream's mono-layer topology) on
                                                    SM100: SWA caches (32-token
                                                    blocks), the kv sources' compressed
                                                    caches and indexer K caches, and
                                                    the ratio-2 compressor ring
                                                    (``CircularBufferSpec``); block
-                                                   128.
+                                                   128. The ring's pages at byte 0
+                                                   are a region of their own
+                                                   (0.34.0: regions keyed by
+                                                   address and length).
 dsv41+host-staging/BLHNC          -        7       Refused at registration, stock too
                                                    ("NIXL host staging does not
                                                    preserve CSA-linear shared
                                                    tensors").
 ================================  =======  ======  ==================================
 
-Stock handshakes measured here (``D <- P``, same seed unless stated): every
+Stock 0.33.0 handshakes measured here (``D <- P``, same seed unless stated;
+0.34.0's are the pairing matrix's oracle, ``build/checks/stock_matrix.json``): every
 layout with itself: accepted. Refused with "Packed KV block rows differ": a
 whole-row BLHNC D from a P with a different ``permute_seed``, from a host
 staging P, from a PP=2 stage, from an LBNHC P, from the synthetic P, or from a
@@ -256,7 +264,7 @@ from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
 )
-from vllm.v1.hisparse import runtime as hisparse_runtime
+from vllm.v1.hisparse.backend import CUDAHiSparseBackend
 from vllm.v1.hisparse.binding import allocate_hisparse_kv_caches
 from vllm.v1.hisparse.layout import (
     get_hisparse_kv_cache_config,
@@ -902,6 +910,58 @@ def _raws(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return list(raws.values())
 
 
+class HostHiSparseBackend(CUDAHiSparseBackend):
+    """The CUDA HiSparse backend with host pinning (cudaHostRegister) a no-op:
+    the planner and allocator's backend on this CPU-only host."""
+
+    def pin_tensor(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def unpin_tensor(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+@contextmanager
+def _hisparse_backend() -> Iterator[None]:
+    """The platform names ``HostHiSparseBackend`` as its HiSparse backend."""
+    from vllm.platforms import current_platform
+
+    name = f"{__name__}.{HostHiSparseBackend.__qualname__}"
+    backend_cls = classmethod(lambda cls: name)
+    with patch.object(type(current_platform), "get_hisparse_backend_cls", backend_cls):
+        yield
+
+
+def _plan_and_allocate_hisparse(
+    layout: KVCacheLayout,
+    worker_specs: list[dict[str, KVCacheSpec]],
+    config: VllmConfig,
+    num_blocks: int,
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """HiSparse planning and allocation (a decoder: one worker)."""
+    (specs,) = worker_specs
+    groups = get_hisparse_kv_cache_groups(config, specs)
+    assert groups is not None
+    (host_group,) = [group for group in groups if group.host_resident]
+    host_budget = num_blocks * host_group.kv_cache_spec.page_size_bytes
+    kv_cache_config = get_hisparse_kv_cache_config(
+        config, groups, available_memory=1 << 40, host_budget=host_budget
+    )
+    kv_cache_config.kv_cache_layout = layout.name
+    kernel_block_sizes = [
+        group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
+    ]
+    host_pool = HiSparseHostPool(config, kv_cache_config)
+    kv_caches = allocate_hisparse_kv_caches(
+        kv_cache_config,
+        torch.device("cpu"),
+        layout,
+        kernel_block_sizes,
+        host_pool,
+    )
+    return kv_cache_config, kv_caches
+
+
 def _plan_and_allocate(
     recipe: _Recipe,
     worker_specs: list[dict[str, KVCacheSpec]],
@@ -912,29 +972,8 @@ def _plan_and_allocate(
     stage = recipe.pp_stage or 0
     layout = recipe.layout
     if recipe.hisparse:
-        (specs,) = worker_specs
-        groups = get_hisparse_kv_cache_groups(config, specs)
-        assert groups is not None
-        (host_group,) = [group for group in groups if group.host_resident]
-        host_budget = num_blocks * host_group.kv_cache_spec.page_size_bytes
-        kv_cache_config = get_hisparse_kv_cache_config(
-            config, groups, available_memory=1 << 40, host_budget=host_budget
-        )
-        kv_cache_config.kv_cache_layout = layout.name
-        kernel_block_sizes = [
-            group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
-        ]
-        host_pool = HiSparseHostPool(config, kv_cache_config)
-        # CPU torch cannot cudaHostRegister; the pool is plain host memory here.
-        with patch.object(hisparse_runtime, "pin_tensor", lambda tensor: None):
-            kv_caches = allocate_hisparse_kv_caches(
-                kv_cache_config,
-                torch.device("cpu"),
-                layout,
-                kernel_block_sizes,
-                host_pool,
-            )
-        return kv_cache_config, kv_caches
+        with _hisparse_backend():
+            return _plan_and_allocate_hisparse(layout, worker_specs, config, num_blocks)
 
     groups = get_global_kv_cache_groups(config, worker_specs)
     kv_cache_configs = get_kv_cache_configs(

@@ -22,7 +22,7 @@ bytes from no page of P (``foreign_bytes``), and whether everything outside
 the request's blocks is still zero (``outside_clean``). Workers are built
 with ``torch.empty`` handing out non-zero bytes, as real allocators may, so
 a read of never-written host memory shows. The same code runs against stock
-0.33.0 and against the fork, so stock is the oracle where it is right::
+0.34.0 and against the fork, so stock is the oracle where it is right::
 
     PYTHONPATH=build/stock python -m checks.pairing_matrix --json stock.json
 
@@ -64,90 +64,77 @@ _NON_MLA = {
 }
 _STAGING = "glm53-mtp+host-staging/BLHNC"
 
-# Stock cases where stock 0.33.0 itself moves wrong
+# Stock cases where stock 0.34.0 itself moves wrong
 # bytes: D's pages differ from P's, bytes from no page of P land in the
 # request's blocks, or bytes outside them change (``_truth``). Stock is no
 # oracle there: the fork must be exact, or refuse the pair with an error
 # whose message contains the entry's hint (any message where it is None). A
 # stock case that is wrong and is not listed here fails the check until
 # someone names it, and a listed case that stock gets right fails too, so
-# the list stays true. Value: (what goes wrong, hint a refusal must give).
-STOCK_CORRUPTS: dict[str, tuple[str, str | None]] = {
-    # Per-layer host staging on both sides of a DeepSeek-V4 row, whose
-    # transfer groups alias one block row from byte 0:
-    # sync_recved_kv_to_device flattens every group's block ids and copies
-    # every layer's host buffer for all of them, so layers of other groups
-    # write their never-filled host pages over the pages just read (84 of
-    # 108 layer pages wrong).
-    "dsv4-mtp+host-staging/BLHNC->dsv4-mtp+host-staging/BLHNC:same": (
-        "per-layer h2d staging copies every layer for every group's blocks "
-        "over aliased rows",
-        None,
-    ),
-    # The same bug on a non-MLA model: gpt-oss's sliding-window and full
-    # layers alias in pairs under LBNHC, and per-layer staging copies each
-    # layer's host buffer for the other group's blocks too (8 of 16 layer
-    # pages wrong). The fork copies each group's layers with its own blocks
-    # (0001) and is exact.
-    **{
-        f"gpt-oss+host-staging/LBNHC->gpt-oss+host-staging/LBNHC:{variant}": (
-            "per-layer h2d staging copies every layer for every group's blocks "
-            "over aliased layer pairs",
-            None,
-        )
-        for variant in ("same", "num-blocks", "permuted")
-    },
-    # Nemotron-H at 4 layers has one layer per transfer group, all aliasing
-    # one region; P and D built with different permute_seeds number those
-    # groups differently (P's group 0 is the attention layer, D's a Mamba
-    # mixer). The handshake accepts it and each group's READ fills D's layer
-    # with another layer's pages of P (4 of 4 attention pages wrong). Found
-    # when the truth check came to Mamba hybrids; the fork does the same.
-    **{
-        f"gqa-mixed/BLHNC->gqa-mixed/BLHNC:{variant}": (
-            "a region registered at the sliding page's length reads half of "
-            "each full-attention page at the same address (#57661)",
-            "shares its address",
-        )
-        for variant in ("same", "num-blocks")
-    },
+# the list stays true. Every entry is measured on the stock release (none
+# carried over from 0.33.0). Value: (what goes wrong, hint a refusal must
+# give, the patch of the series that fixes it or None). While that patch is
+# parked (or where there is none) the fork keeps stock's bug and must move
+# exactly stock's bytes (``fork_keeps_stock_bug``).
+STOCK_CORRUPTS: dict[str, tuple[str, str | None, str | None]] = {
+    # (0.33.0's per-layer host staging over rows or layer pairs several
+    # groups alias, dsv4-mtp and gpt-oss: 0.34.0's sync_recved_kv_to_device
+    # copies per group and is right; Nemotron-H with P and D numbering the
+    # groups differently: 0.34.0 refuses it at the handshake; gqa-mixed of
+    # one seed, #57661: 0.34.0 keys regions by (address, length) and is
+    # right.)
+    #
     # GQA block rows (BHLNC) whose layers P's and D's planners placed in
-    # another order: 0.33.0 reads whole rows into rows of another order (no
+    # another order: 0.34.0 reads whole rows into rows of another order (no
     # row layout is advertised for non-MLA rows); every layer page lands in
-    # another layer's place. The fork reads them head page by head page.
+    # another layer's place (16 of 16 pages wrong). The fork's layout stack
+    # reads them head page by head page.
     **{
         f"{model}/BHLNC->{model}/BHLNC:permuted": (
             "whole GQA rows read across layer orders",
             None,
+            "nixl-gqa-head-major-rows",
         )
         for model in ("gpt-oss", "llama8b")
     },
-    # The same rows with P's blocks half D's: 0.33.0 reads each P row into
+    # The same rows with P's blocks half D's: 0.34.0 reads each P row into
     # one half of D's row, where a layer's tokens of a head are spread over
-    # the whole row (16 of 16 layer pages wrong). The fork reads them head
-    # page by head page, each P block at its tokens' place.
+    # the whole row (16 of 16 layer pages wrong). The fork's layout stack
+    # reads them head page by head page, each P block at its tokens' place.
     "gpt-oss/BHLNC->gpt-oss/BHLNC:block-size": (
         "whole GQA rows read across block sizes",
         None,
+        "nixl-gqa-head-major-rows",
     ),
-    "nemotron-h/LBNHC->nemotron-h/LBNHC:permuted": (
-        "P and D number the transfer groups differently; groups pair by index",
+    # Pages of two sizes sharing the row from byte 0 (sliding layers' pages
+    # half the full layers'), P and D with their pages in other orders
+    # (measured on 0.34.0): every layer page of the request lands right, but
+    # 520,204 bytes of the request's blocks hold bytes from no page of P at
+    # that place (a block read at a region's length beyond what its group's
+    # pages cover). No patch of the series changes it.
+    "gqa-mixed/BLHNC->gqa-mixed/BLHNC:permuted": (
+        "bytes beyond a group's pages of rows shared by pages of two sizes, "
+        "read across page orders",
+        None,
         None,
     ),
 }
 # Layouts stock moves wrong bytes on that the fork refuses at registration,
-# with an error containing the hint: every case with such a side.
-FORK_REFUSES: dict[str, str] = {
-    # #57661: pages of two sizes at one address (sliding and full layers of
-    # two head sizes, block-outermost); the region moves the smaller length.
-    "gqa-mixed/BLHNC": "shares its address",
-}
-# Stock bugs the series does not fix yet: on these cases the fork must move
-# exactly stock's bytes. Nemotron-H's permuted pair is synthetic (two
-# instances of one model and release build their spec dicts, hence their
-# transfer groups, in the same order), and refusing it needs the peers'
-# group-to-layer maps in the handshake metadata, a protocol change of its own.
-FORK_KEEPS_STOCK_BUG = {"nemotron-h/LBNHC->nemotron-h/LBNHC:permuted"}
+# with an error containing the hint: every case with such a side. (0.33.0's
+# gqa-mixed/BLHNC, pages of two sizes at one address, #57661: 0.34.0 keys its
+# regions by (address, length) and moves them right; none now.)
+FORK_REFUSES: dict[str, str] = {}
+
+
+def fork_keeps_stock_bug(name: str) -> bool:
+    """A stock bug the fork does not fix: none of the series' patches does,
+    or the one that does is parked (``checks.parked``)."""
+    from checks.parked import is_parked
+
+    if name not in STOCK_CORRUPTS:
+        return False
+    fix = STOCK_CORRUPTS[name][2]
+    return fix is None or is_parked(fix)
 
 
 @dataclass(frozen=True)

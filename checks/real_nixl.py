@@ -421,7 +421,7 @@ def pull_request(
         descriptors=descriptors,
         total_bytes=total_bytes,
         reads=len(handles),
-        # Stock 0.33.0 (the oracle) has no coalesced reads.
+        # Stock (the oracle) has no coalesced reads.
         coalesced=bool(getattr(decode, "_coalesced_reads", None)),
         done_s=done - start,
         post_s=posted - start,

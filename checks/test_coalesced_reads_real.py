@@ -4,7 +4,7 @@
 
 Pull workers run the real registration and handshake over a scaled-down
 GLM-5.3-like layout (78 MLA + 23 DSA indexer pages per block row, a draft MLA
-cache in its own storage: a SYNTHETIC two-storage layout, which 0.33.0's
+cache in its own storage: a SYNTHETIC two-storage layout, which 0.34.0's
 allocator never builds but which gives stock one region per page), then the
 decode worker pulls a fragmented request through its own read path
 (``_read_blocks_for_req``). Each test checks the bytes against the layout
@@ -27,6 +27,7 @@ import torch
 
 pytest.importorskip("nixl")
 
+from checks.parked import needs  # noqa: E402
 from checks.real_nixl import (  # noqa: E402
     INDEXER_PAGE,
     MLA_PAGE,
@@ -53,6 +54,9 @@ from checks.row_layouts import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.cpu_test
+# Every check here but NIXL's own refusal reads through the coalesced read
+# path (``_coalesced_reads``), which the parked project patch adds.
+COALESCED = needs("nixl-coalesced-reads")
 
 BLOCK_IDS = fragmented_block_ids()
 RUNS = count_runs(BLOCK_IDS)
@@ -167,6 +171,7 @@ def read(
 STOCK_DESCRIPTORS = (STOCK_REGIONS - 1) * len(BLOCK_IDS) + RUNS
 
 
+@COALESCED
 def test_coalesced_reads_post_one_descriptor_per_run_and_block(layouts, pair):
     # Registration is stock on both sides; only the decoder's reads change.
     decode, prefill, split = pair()
@@ -178,6 +183,7 @@ def test_coalesced_reads_post_one_descriptor_per_run_and_block(layouts, pair):
     assert result.descriptors == expected_descriptors(decode, prefill, BLOCK_IDS)
 
 
+@COALESCED
 def test_dense_runs_post_one_descriptor_per_block_run(layouts, pair):
     decode, prefill, split = pair(split=True)
     assert read_regions(decode, prefill) == [
@@ -187,12 +193,14 @@ def test_dense_runs_post_one_descriptor_per_block_run(layouts, pair):
     assert result.descriptors == 3 * RUNS
 
 
+@COALESCED
 def test_dense_runs_contiguous_request_is_one_descriptor_per_run(layouts, pair):
     decode, prefill, split = pair(split=True)
     result = read(layouts, decode, prefill, split, block_ids=list(range(64, 192)))
     assert result.descriptors == 3
 
 
+@COALESCED
 @pytest.mark.parametrize("split", [False, True], ids=["partial", "dense"])
 def test_coalesced_read_lands_remote_blocks_in_other_local_blocks(layouts, pair, split):
     decode, prefill, split = pair(split=split)
@@ -201,6 +209,7 @@ def test_coalesced_read_lands_remote_blocks_in_other_local_blocks(layouts, pair,
     assert result.descriptors <= 3 * len(BLOCK_IDS)
 
 
+@COALESCED
 def test_coalescing_cuts_posted_descriptors_by_the_run_factor(layouts, pair):
     partial = read(layouts, *pair())
     dense = read(layouts, *pair(split=True))
@@ -209,6 +218,7 @@ def test_coalescing_cuts_posted_descriptors_by_the_run_factor(layouts, pair):
     assert dense.descriptors < partial.descriptors
 
 
+@COALESCED
 def test_prefill_pages_in_another_order_read_byte_exact(layouts, nixl_ok):
     # P's row holds the same pages in reverse order: nothing is adjacent in
     # the same order on both sides, so the decoder keeps stock's reads.
@@ -230,6 +240,7 @@ def test_prefill_pages_in_another_order_read_byte_exact(layouts, nixl_ok):
         prefill.shutdown()
 
 
+@COALESCED
 def test_a_run_splits_where_the_prefill_order_differs(layouts, nixl_ok):
     # D row [A B C D], P row [A B D C], plus a draft storage on both sides so
     # stock registers per-layer regions: A+B read as one, C and D alone.
@@ -284,6 +295,7 @@ def _pull_and_compare(storages, local, remote) -> list[tuple[int, ...]]:
             worker.shutdown()
 
 
+@COALESCED
 @pytest.mark.parametrize("swa_page", [128, 64], ids=["one-size", "two-sizes"])
 def test_groups_aliasing_a_row_from_byte_zero(nixl_ok, swa_page):
     # Two HMA groups view one allocation from byte 0, plus a draft storage so
@@ -311,6 +323,7 @@ def test_groups_aliasing_a_row_from_byte_zero(nixl_ok, swa_page):
     assert all(len(run) == 1 for run in runs)
 
 
+@COALESCED
 def test_head_sharded_pages_keep_their_own_reads(nixl_ok):
     # A full-attention (TP-sharded) page between MLA pages of one group.
     pages = (
@@ -348,6 +361,7 @@ def test_nixl_refuses_a_descriptor_across_two_registrations(nixl_ok):
             owner.deregister_memory(descs)
 
 
+@COALESCED
 def test_a_refused_coalesced_list_keeps_the_standard_reads(nixl_ok):
     storages = glm_like(6, 3, mla_page=MLA_PAGE, indexer_page=INDEXER_PAGE)
     p_layout, d_layout = build_layout(storages, 16), build_layout(storages, 16)

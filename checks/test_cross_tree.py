@@ -2,7 +2,7 @@
 """Rolling upgrades and one-sided settings, each side in its own tree's process.
 
 Every ``cross_tree.CROSS_CASES`` pair runs with each side a configuration in
-a process of its tree (stock 0.33.0 from ``STOCK_TREE``, default
+a process of its tree (stock 0.34.0 from ``STOCK_TREE``, default
 ``build/stock``; the fork from ``build/vllm``), and is held against stock +
 stock of the same configurations (``Pair.oracle``): where stock pairs them,
 the fork must pair them too, land exactly the prefiller's pages, change no

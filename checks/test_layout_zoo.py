@@ -4,7 +4,7 @@
 
 Every layout builds a prefill and a decode pull worker with real NIXL (UCX on
 host DRAM), and the decode worker accepts the prefill worker's handshake.
-Region counts and cross-layout acceptance are held against stock 0.33.0 by
+Region counts and cross-layout acceptance are held against stock 0.34.0 by
 the pairing matrix (``test_pairing_matrix.py``).
 """
 
@@ -32,13 +32,15 @@ MODEL_ROWS = {
     "dsv4-mtp/BLHNC": (1, 6),
     # Per-layer staging: one dense host region per layer view.
     "dsv4-mtp+host-staging/BLHNC": (27, 6),
-    "dsv41/BLHNC": (1, 7),
+    # 0.34.0 keys regions by (address, length): the compressor ring (32 KiB
+    # pages) at byte 0 of the row is a region of its own.
+    "dsv41/BLHNC": (2, 7),
 }
 # Layouts whose workers refuse to register: the message.
 REFUSED_AT_REGISTRATION = {
-    # #57661: stock registers it and moves half of some pages (see the
-    # pairing matrix's FORK_REFUSES).
-    "gqa-mixed/BLHNC": "shares its address",
+    # (gqa-mixed/BLHNC, pages of two sizes at one address: 0.34.0 keys its
+    # regions by (base address, block length), upstream's fix of #57661, and
+    # registers and reads it; the pairing matrix checks its bytes.)
     # The V4.1 compressor ring (a CircularBufferSpec) shares its row.
     "dsv41+host-staging/BLHNC": "CSA-linear shared tensors",
 }

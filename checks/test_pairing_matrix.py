@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fork against stock 0.33.0 on every P/D pair of the pairing matrix.
+"""The fork against stock 0.34.0 on every P/D pair of the pairing matrix.
 
 ``tools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` against
-the pristine 0.33.0 tree (``build/stock``) and passes its JSON in
+the pristine 0.34.0 tree (``build/stock``) and passes its JSON in
 ``STOCK_MATRIX``. Every case then runs here on the fork and is held against
 stock's run of the same case: each side the same configuration (layout,
 device or host staging, block size), resolved by its own tree.
@@ -15,12 +15,13 @@ it must be named in ``STOCK_CORRUPTS`` (and a named case must still be
 wrong on stock). The fork must:
 
 - be exact wherever it accepts a pair, whatever stock does, except on the
-  stock bugs it does not fix yet (``FORK_KEEPS_STOCK_BUG``), where it must
-  move exactly stock's bytes;
-- register as many regions per side as stock, except a host-staging side of
-  a single-group MLA row (``MIRRORED_STAGING``), which the fork stages in one
-  buffer mirroring the device row: as many as stock's device side; and a
-  BHLNC row of one KV head per rank (``WHOLE_ROWS``): one region;
+  stock bugs it does not fix yet or whose fix is parked
+  (``fork_keeps_stock_bug``), where it must move exactly stock's bytes;
+- register as many regions per side as stock, except (while their layout
+  stack patches are built) a host-staging side of a single-group MLA row
+  (``MIRRORED_STAGING``), which the fork stages in one buffer mirroring the
+  device row: as many as stock's device side; and a BHLNC row of one KV
+  head per rank (``WHOLE_ROWS``): one region;
 - accept every pair stock accepts, failing at the same step (registration,
   handshake or READ) where both refuse; a pair of a row side and a
   per-layer side that stock refuses may be accepted if it is exact; where
@@ -44,13 +45,14 @@ pytest.importorskip("nixl")
 
 from checks.pairing_matrix import (  # noqa: E402
     CASES,
-    FORK_KEEPS_STOCK_BUG,
     FORK_REFUSES,
     STOCK_CORRUPTS,
     Case,
     device_case,
+    fork_keeps_stock_bug,
     run_case,
 )
+from checks.parked import is_parked  # noqa: E402
 from checks.real_nixl import probe_real_nixl  # noqa: E402
 
 
@@ -87,12 +89,18 @@ def wrong(result: dict) -> list[str]:
 # Host-staging layouts the fork stages in one buffer mirroring the device row:
 # MLA rows (BLHNC) of one transfer group. Rows several groups share (mla-swa,
 # DeepSeek-V4) and layer-outermost layouts keep per-layer buffers, as stock.
-MIRRORED_STAGING = {"glm53-mtp+host-staging/BLHNC", "dsv32+host-staging/BLHNC"}
+# (While its patch is parked the fork stages as stock: none.)
+MIRRORED_STAGING = (
+    set()
+    if is_parked("nixl-mirrored-host-staging")
+    else {"glm53-mtp+host-staging/BLHNC", "dsv32+host-staging/BLHNC"}
+)
 
 # GQA layouts the fork registers as one whole block row where stock registers
 # a region per layer: BHLNC with one KV head per rank (each layer's page is
-# contiguous in the row, which stock registers page by page).
-WHOLE_ROWS = {"llama/BHLNC"}
+# contiguous in the row, which stock registers page by page). (None while
+# the patch that prefers head-major rows is parked.)
+WHOLE_ROWS = set() if is_parked("nixl-gqa-head-major-rows") else {"llama/BHLNC"}
 
 STEPS = ["register prefill", "register decode", "handshake", "read"]
 
@@ -117,7 +125,7 @@ def test_pair_matches_stock(stock: dict, case: Case):
     stock_wrong = wrong(want)
     if stock_wrong:
         assert name in STOCK_CORRUPTS, (
-            f"stock 0.33.0 is wrong on {name} ({'; '.join(stock_wrong)}): name it "
+            f"stock 0.34.0 is wrong on {name} ({'; '.join(stock_wrong)}): name it "
             "in pairing_matrix.STOCK_CORRUPTS"
         )
     else:
@@ -133,8 +141,9 @@ def test_pair_matches_stock(stock: dict, case: Case):
         assert not got["accepted"] and got["error"].startswith("register"), got
         assert any(hint in got["message"] for hint in refused - {None}), got
         return
-    if name in FORK_KEEPS_STOCK_BUG:
-        # Not fixed yet: exactly stock's outcome, bytes included.
+    if fork_keeps_stock_bug(name):
+        # Not fixed yet (or its fix is parked): exactly stock's outcome,
+        # bytes included.
         assert stock_wrong and wrong(got) == stock_wrong, (wrong(got), stock_wrong)
         assert got["digest"] == want["digest"], f"{case.name}: decoder bytes != stock"
         return
@@ -156,7 +165,7 @@ def test_pair_matches_stock(stock: dict, case: Case):
     if stock_wrong and not got["accepted"]:
         # Stock moves wrong bytes here: refusing the pair is the fix too, if
         # the error tells the user what works.
-        _, hint = STOCK_CORRUPTS[name]
+        _, hint, _ = STOCK_CORRUPTS[name]
         assert got.get("message"), got
         assert hint is None or hint in got["message"], got
         return

@@ -254,7 +254,9 @@ def dsv41_specs(
         swa_bytes = 528 if kv_mxfp8 else 584
         compressed_bytes = 288 if kv_dtype == "nvfp4_ds_mla" else swa_bytes
         alignment = 512 if kv_mxfp8 else 576
-        bounded_replay = cache_config.swa_bounded_replay and config.use_v2_model_runner
+        # 0.34.0: bounded replay on unless PCP lacks prefix caching or ROCm
+        # (neither here).
+        bounded_replay = cache_config.swa_bounded_replay
         for layer_id in layers:
             prefix = f"model.layers.{layer_id}.attn"
             ratio = int(ratios[layer_id])
