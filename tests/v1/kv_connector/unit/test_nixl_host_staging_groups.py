@@ -5,9 +5,9 @@
 The planner lays a hybrid model's cache groups over shared KV cache tensors
 (a block id belongs to one group at a time): sliding-window and full attention
 layers (gpt-oss, Gemma-3), MLA and sliding-window MLA layers, DeepSeek-V4's
-SWA, compressed and indexer caches. The staging copies must copy each layer's
+SWA, compressed and indexer caches. The staging copies take each layer's
 blocks of its own group only: a layer's view of another group's block covers
-that group's KV, and the layer's host buffer holds nothing for it.
+that group's KV, which the layer's host buffer is never read or written for.
 """
 
 import uuid
@@ -132,6 +132,11 @@ def _cuda_block_copies():
 
 @pytest.mark.cpu_test
 def test_h2d_copies_each_layer_with_its_own_groups_blocks():
+    """The h2d copy lands every layer's pages and changes no other byte.
+
+    Copying a layer's host buffer at another group's blocks would overwrite
+    the KV that group just received with host bytes never filled.
+    """
     worker, kv_cache_config, caches = _staging_worker("kv_consumer")
     group_layers = _group_layers(kv_cache_config)
     # The planner overlays the two groups on one block row from byte 0.
@@ -178,8 +183,8 @@ def test_h2d_copies_each_layer_with_its_own_groups_blocks():
 def test_d2h_copies_each_layer_with_its_own_groups_blocks():
     """The d2h copy stages each layer's blocks of its own group, no others.
 
-    Copying the other groups' blocks too is not wrong (no decoder reads them
-    from this layer's buffer), only more bytes: the test pins the scope.
+    Copying the other groups' blocks too is not wrong (no peer reads them from
+    this layer's buffer), only more bytes: the test pins the scope.
     """
     worker, kv_cache_config, caches = _staging_worker("kv_producer")
     _fill(caches.values(), seed=1)

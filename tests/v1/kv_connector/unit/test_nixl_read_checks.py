@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.read_checks import (
     invalid_remote_block_ids,
+    remote_group_num_blocks,
 )
 
 from .nixl_dram_workers import (
@@ -47,20 +48,57 @@ def test_invalid_remote_block_ids(remote, same_groups, reason):
     got = invalid_remote_block_ids(
         [[5, 6], [7]],
         remote,
-        remote_groups=2,
-        remote_num_blocks=NUM_BLOCKS,
+        remote_num_blocks=[NUM_BLOCKS, NUM_BLOCKS],
         same_groups=same_groups,
     )
     assert got == reason if reason is None else reason in got
 
 
 @pytest.mark.cpu_test
+def test_each_group_is_bounded_by_its_own_pool():
+    # Group 1 has a larger pool (a host-resident HiSparse group): its ids may
+    # pass group 0's bound, not its own.
+    local, bounds = [[5], [7]], [NUM_BLOCKS, 2 * NUM_BLOCKS]
+    ok = [[NUM_BLOCKS - 1], [2 * NUM_BLOCKS - 1]]
+    assert (
+        invalid_remote_block_ids(local, ok, remote_num_blocks=bounds, same_groups=True)
+        is None
+    )
+    assert "ids [40] of group 0 outside the peer's 40 blocks" in (
+        invalid_remote_block_ids(
+            local, [[NUM_BLOCKS], [1]], remote_num_blocks=bounds, same_groups=True
+        )
+        or ""
+    )
+    assert "ids [80] of group 1 outside the peer's 80 blocks" in (
+        invalid_remote_block_ids(
+            local, [[1], [2 * NUM_BLOCKS]], remote_num_blocks=bounds, same_groups=True
+        )
+        or ""
+    )
+
+
+@pytest.mark.cpu_test
+def test_remote_group_num_blocks_from_the_peer_regions():
+    # Peer regions (kernel blocks, 2 per logical block): group 0 holds regions
+    # of 80 and 60 kernel blocks, group 1 one of 160; region 3 is shared.
+    bounds = remote_group_num_blocks(
+        [80, 160, 60, 200],
+        [0, 1, 0, -1],
+        num_groups=3,
+        blocks_per_logical=2,
+        default=7,
+    )
+    # Group 0: the smaller of its regions, 60 // 2; group 1: 160 // 2;
+    # group 2 has no region of its own: the default.
+    assert bounds == [30, 80, 7]
+
+
+@pytest.mark.cpu_test
 def test_an_empty_local_list_reads_nothing_and_is_valid():
     # A full prefix hit: nothing to read, whatever the peer sent for it.
     assert (
-        invalid_remote_block_ids(
-            [[]], [[]], remote_groups=1, remote_num_blocks=4, same_groups=True
-        )
+        invalid_remote_block_ids([[]], [[]], remote_num_blocks=[4], same_groups=True)
         is None
     )
 
@@ -105,6 +143,8 @@ def test_invalid_remote_block_ids_fail_the_request_before_posting(remote, reason
         decode._recving_metadata[req_id] = meta  # as start_load_kv does
         with (
             patch.object(decode.nixl_wrapper, "make_prepped_xfer") as post,
+            # Without the checks a mocked post must not reach NIXL's transfer.
+            patch.object(decode.nixl_wrapper, "transfer"),
             patch.object(bw.logger, "error") as logged,
         ):
             decode._read_blocks_for_req(req_id, meta)

@@ -74,7 +74,7 @@ def test_read_posts_one_descriptor_per_run_on_both_sides(layout):
     try:
         for _ in range(2):
             config, caches = plan_mla_caches(num_layers, page, 48, layout)
-            for i, cache in enumerate(caches.values()):
+            for cache in caches.values():
                 cache.view(torch.uint8).copy_(
                     torch.randint(1, 255, cache.shape, dtype=torch.uint8)
                     if not workers
