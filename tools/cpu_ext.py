@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Build vLLM 0.33.0's CPU extension (``vllm/_C``) offline, once, and cache it.
+"""Build the release's CPU extension (``vllm/_C``) offline, once, and cache it.
 
 The end-to-end check (``checks/e2e/``) runs real engines, which need the
 compiled CPU kernels. The series changes Python only, so one build serves
 both trees (stock ``build/stock`` and the fork ``build/vllm``).
 
-``build`` extracts the verified sdist (``tools/fork.py fetch``), applies the
-build patches in ``tools/cpu_ext/*.diff`` (project tooling, never exported;
-each file starts with its one-line reason), configures with CMake and builds
+The release is ``series/release.toml``'s ``version`` (``VLLM_VERSION``).
+``build`` extracts its verified sdist (``tools/fork.py fetch``), applies the
+build patches in the release file's ``cpu_patches`` folder
+(``tools/cpu_ext/*.diff``: project tooling, never exported; each file starts
+with its one-line ``Reason:``), configures with CMake and builds
 only the target the CPU platform imports on this machine (``_C`` with
 AVX512-BF16, else ``_C_AVX512`` or ``_C_AVX2``: ``CpuPlatform.import_kernels``).
 The library lands in ``build/cache/cpu-ext/<key>/``, the key hashing the
@@ -29,6 +31,7 @@ apt-get when missing and run as root).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -40,9 +43,9 @@ import tarfile
 import time
 from pathlib import Path
 
-from fork import CACHE_DIR, ROOT, SDIST_SHA256, VLLM_VERSION, fetch_sdist
+from fork import CACHE_DIR, RELEASE, ROOT, SDIST_SHA256, VLLM_VERSION, fetch_sdist
 
-PATCH_DIR = ROOT / "tools" / "cpu_ext"
+PATCH_DIR = ROOT / RELEASE.get("cpu_patches", "tools/cpu_ext")
 EXT_CACHE = CACHE_DIR / "cpu-ext"
 WORK = ROOT / "build" / "cpu-ext"
 LOG = WORK / "build.log"
@@ -154,22 +157,37 @@ def _ensure_numa() -> None:
 
 
 def build() -> Path:
-    """The cached library, built first when the key has none."""
+    """The cached library, built first when the key has none.
+
+    One build at a time per checkout: every build works in ``build/cpu-ext``,
+    so a second process (another test run, a parallel session) waits on a
+    lock, then finds the first one's library in the cache.
+    """
     tgt = target()
     lib = cached(tgt)
-    if lib is not None:
-        print(f"cpu_ext: {tgt} cached ({lib.relative_to(ROOT)})")
-        return lib
-    WORK.mkdir(parents=True, exist_ok=True)
+    if lib is None:
+        WORK.mkdir(parents=True, exist_ok=True)
+        with open(WORK / ".lock", "w", encoding="utf-8") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print("cpu_ext: another build runs here; waiting", flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            return cached(tgt) or _build(tgt)
+    print(f"cpu_ext: {tgt} cached ({lib.relative_to(ROOT)})")
+    return lib
+
+
+def _build(tgt: str) -> Path:
     LOG.write_text("", encoding="utf-8")
     begin = time.monotonic()
     print(f"cpu_ext: building {tgt} for vLLM {VLLM_VERSION} (log: "
-          f"{LOG.relative_to(ROOT)}; ~15-25 min on 2 cores)", flush=True)  # fmt: skip
+          f"{LOG.relative_to(ROOT)}; ~10 min on 2 cores)", flush=True)  # fmt: skip
     for tool in ("cmake", "ninja"):
         if not (BIN / tool).exists() and shutil.which(tool) is None:
             raise BuildError(f"{tool} not found: run bash tools/setup_env.sh")
     _ensure_numa()
-    sdist = fetch_sdist()
+    sdist = fetch_sdist(VLLM_VERSION, SDIST_SHA256)
     src = WORK / "src"
     bld = WORK / "bld"
     shutil.rmtree(src, ignore_errors=True)

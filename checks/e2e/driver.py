@@ -2,7 +2,7 @@
 """Real vLLM engines over NIXL on CPU: prefill and decode engines of two trees.
 
 Each engine is its own process (``checks/e2e/engine.py``) running one tree:
-stock 0.33.0 (``build/stock``) or the fork (``build/vllm``), both with the CPU
+the stock release (``build/stock``) or the fork (``build/vllm``), both with the CPU
 extension the project builds (``tools/cpu_ext.py``). For each tiny model
 (``checks/e2e/models.py``):
 

@@ -2,7 +2,7 @@
 """One real vLLM engine in its own process, driven by JSON lines.
 
 Run as ``python -m checks.e2e.engine`` with ``PYTHONPATH=<tree>:<repo>``: the
-tree (stock 0.33.0 or the fork, with the CPU extension ``vllm/_C*.so`` in it)
+tree (the stock release or the fork, with the CPU extension ``vllm/_C*.so`` in it)
 is the vLLM that runs. The parent (``checks/e2e/driver.py``) writes one JSON
 command per line on stdin and reads one JSON reply per line; vLLM's own output
 goes to stderr (the parent's log), so stdout carries replies only.
@@ -37,6 +37,9 @@ from typing import Any
 # stderr, so a log line can never be read as a reply.
 _REPLIES = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
 os.dup2(2, 1)
+
+# The connector's role per engine role.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # Every READ's telemetry, as the worker records it.
 READS: list[dict[str, float]] = []
@@ -73,7 +76,9 @@ def start(
     num_blocks: int | None = None,
     attention_backend: str | None = None,
 ) -> Any:
-    """Build the engine. ``role`` "single" has no connector.
+    """Build the engine. ``role`` "single" has no connector; "prefill" and
+    "decode" are NIXL's producer and consumer (from 0.34.0 NixlConnector
+    deprecates ``kv_both``).
 
     ``attention_backend`` pins the backend: on a CPU with AMX the platform
     would pick AMX_MLA for an MLA model, which takes bfloat16 weights only.
@@ -86,7 +91,7 @@ def start(
     if role != "single":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector",
-            kv_role="kv_both",
+            kv_role=KV_ROLES[role],
             kv_buffer_device="cpu",
             kv_load_failure_policy=policy,
             kv_connector_extra_config={"enforce_handshake_compat": compat},

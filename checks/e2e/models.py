@@ -118,7 +118,7 @@ DEEPSEEK_V2 = TinyModel(
         rope_scaling=None,
     ),
     backend="CPU_MLA",
-    # Stock 0.33.0's CPU_MLA computes one context's next-token logits
+    # Stock CPU_MLA (0.33.0, 0.34.0) computes one context's next-token logits
     # differently in its prefill path (SDPA) and its decode path
     # (mla_decode_kvcache), by tenths of a nat, in one engine without any
     # connector. A P/D decoder takes the decode path for the first token the

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Real vLLM engines end to end on CPU: P/D over NIXL gives the oracle's tokens.
 
-Runs ``checks/e2e/driver.py`` once per model (engines of stock 0.33.0 and of
+Runs ``checks/e2e/driver.py`` once per model (engines of the stock release and of
 the fork, each in its own process) and asserts on what it returns:
 
 * every pairing (stock/series P x stock/series D) decodes every prompt to the
