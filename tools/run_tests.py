@@ -90,7 +90,7 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
         text = log.read_text(encoding="utf-8")
-        ok = re.search(r"OK: (\d+ fixes \+ \d+ layout) patch", text)
+        ok = re.search(r"OK: (\d+ \w+(?: \+ \d+ \w+)*) patch", text)
         if "empty series" in text:
             res.note = "empty series"
         elif ok:
