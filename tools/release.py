@@ -856,10 +856,15 @@ def take_all(s: Scratch, series: Series, key: dict, dry_run: bool) -> int:
         )
     for msg in write_back(s, series, key["sha256"], new_base):
         say(f"write: {msg}")
-    say(
-        "next: python3 tools/fork.py build --force  (build/vllm on "
-        f"{s.new_tag}), then bash tools/test.sh"
-    )
+    # The scratch repository holds both releases, so git abbreviates blob
+    # ids in the diffs' index lines differently from build/vllm: rebuild
+    # build/vllm on the new release (a fresh process reads the new
+    # release.toml) and let `fork.py save` write the diffs as it keeps them.
+    for step in (["build", "--force"], ["save"]):
+        cmd = [sys.executable, str(ROOT / "tools" / "fork.py"), *step]
+        if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
+            raise ForkError(f"`fork.py {' '.join(step)}` failed after the write")
+    say(f"build/vllm is {s.new_tag} + the series; next: bash tools/test.sh")
     return 0
 
 
