@@ -236,13 +236,21 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         f"{r.get('error', '')}"
         for r in failed
     ]
+    parked = data.get("parked") or {}
+    if parked.get("count"):
+        names = ", ".join(p["name"] for p in parked["patches"])
+        notes.append(
+            f"- Parked: {parked['count']} rows of the main job need a patch the "
+            f"manifest parks ({names}); they are listed on the main job's page "
+            "and return with those patches."
+        )
+    built = "the series as built" if parked.get("count") else "the whole series"
     return [
         *_table(header, body),
         "",
         *([*notes, ""] if notes else []),
-        f"Stock is vLLM {VLLM_VERSION}, series the whole series, each in its own tree "
-        "and "
-        "process with the layout it resolves; regions P / D: what each side "
+        f"Stock is vLLM {VLLM_VERSION}, series {built}, each in its own tree "
+        "and process with the layout it resolves; regions P / D: what each side "
         "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
         "NIXL telemetry descCount per request's READ, over the job's replayed "
         "block lists (n/a: stock has no figure to compare with).",
