@@ -141,6 +141,37 @@ def _dense(worker) -> list[bool]:
     ]
 
 
+def _pair_floor(decode, engine_id, local, remote) -> int:
+    """The fewest descriptors the READ's block lists allow, by NIXL's rule.
+
+    The release pairs the peer's regions with the decoder's per cache group
+    (``_RegionPairs``): pair k moves local region ``local[k]`` at group
+    ``group[k]``'s blocks, groups in ascending order, a pair's blocks after
+    the previous pair's. Each group's (local, remote) blocks are taken in
+    ascending local order (the best order). NIXL merges a descriptor into
+    the one before it only inside one dense region (length == stride) when
+    both block ids advance by one; any other region costs one per block.
+    """
+    pairs = decode._dst_pairs[engine_id]
+    dense = _dense(decode)
+    seq = []
+    for group in sorted(set(pairs.group)):
+        order = sorted(zip(local[group], remote[group], strict=True))
+        for here, there, g in zip(pairs.local, pairs.remote, pairs.group, strict=True):
+            if g == group:
+                seq += [(here, there, lo, re) for lo, re in order]
+    return sum(
+        1
+        for i, (here, there, lo, re) in enumerate(seq)
+        if i == 0
+        or not (
+            dense[here]
+            and seq[i - 1][:2] == (here, there)
+            and (lo, re) == (seq[i - 1][2] + 1, seq[i - 1][3] + 1)
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def nixl_ok() -> None:
     reason = probe_real_nixl()
@@ -175,16 +206,7 @@ def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
             ]
             local, remote = [lo for lo, _ in pairs], [re for _, re in pairs]
             result = pull_request(decode, prefill, local, remote, staging_copies=True)
-            flat_local = [block for ids in local for block in ids]
-            flat_remote = [block for ids in remote for block in ids]
-            # A dense region (length == stride) merges runs; any other
-            # region costs a descriptor per block.
-            floors.append(
-                sum(
-                    runs(flat_local, flat_remote) if dense else len(flat_local)
-                    for dense in _dense(decode)
-                )
-            )
+            floors.append(_pair_floor(decode, prefill.engine_id, local, remote))
             posted.append(result.descriptors)
         assert posted == floors
         # The lists are not trivially one run each.

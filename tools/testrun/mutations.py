@@ -88,8 +88,8 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "nixl-remote-block-id-checks",
         "v1/kv_connector/unit/test_nixl_read_checks.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/read_checks.py",
-        "            outside = [b for b in ids if not 0 <= b < num_blocks]\n",
-        "            outside = [b for b in ids if b < 0]\n",
+        "        outside = [b for b in ids if not 0 <= b < num_blocks]\n",
+        "        outside = [b for b in ids if b < 0]\n",
     ),
     (
         "nixl-mla-block-outermost-layout",
