@@ -245,9 +245,6 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
     for i in range(2):
         worktree = ROOT / "build" / f"mutant-{i}"
         add_worktree(worktree, "HEAD")
-        # The engines of the two-engine test need the CPU extension.
-        run_logged([PYTHON, "tools/cpu_ext.py", "install", str(worktree)], ROOT,
-                   log, env)  # fmt: skip
         worktrees.put(worktree)
 
     mutations, parked = active_mutations()
