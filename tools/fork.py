@@ -13,6 +13,10 @@ Subcommands:
     roundtrip   export, git am onto a fresh pristine tree, compare trees
     save        write the commits above the release tag back into the repo
     summary     print the series
+    check-root  fail where a new file's root copy is not build/vllm HEAD's
+
+Each new file is kept at the root as the whole series leaves it; ``build``
+derives the version a patch adds by reverse-applying later patches' diffs.
 
 Stdlib only; run it with any Python >= 3.11.
 """
@@ -330,11 +334,71 @@ def _apply_error(pid: str, diff_rel: str, stderr: str) -> ForkError:
     return ForkError(f"patch {pid} does not apply: {diff_rel}: {reason}")
 
 
-def apply_patch(tree: Path, index: int, patch: Patch) -> None:
-    """Add the patch's files, apply its diff and commit it in tree."""
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    shutil.copymode(src, dst)
+
+
+def _glob_escape(path: str) -> str:
+    return re.sub(r"([*?\[\\])", r"\\\1", path)
+
+
+def added_versions(root: Path, patches: Sequence[Patch], work: Path) -> list[Path]:
+    """Per patch, a directory under ``work`` with its new files as it adds them.
+
+    ``root`` holds each new file as the whole series leaves it (its final
+    version). Walking the patches backwards from there, each patch's files
+    are taken as they stand, then the patch's diff of earlier patches' new
+    files is reverse-applied: what remains is their version before it.
+    """
+    state = work / "state"
+    state.mkdir(parents=True)
+    git(state, "init", "-q")
+    for rel in {f for p in patches for f in p.files}:
+        if (root / rel).is_file():
+            _copy(root / rel, state / rel)
+    dirs: list[Path] = []
+    for index in range(len(patches), 0, -1):
+        patch = patches[index - 1]
+        dirs.append(work / f"{index:04d}")
+        for rel in patch.files:
+            if not (state / rel).is_file():
+                raise ForkError(
+                    f"patch {patch_id(index, patch)}: new file {rel} is missing "
+                    "from the repo"
+                )
+            _copy(state / rel, dirs[-1] / rel)
+            (state / rel).unlink()
+        earlier = {f for p in patches[: index - 1] for f in p.files}
+        if not patch.diff or not earlier:
+            continue
+        diff = root / patch.diff
+        if not diff.is_file():
+            continue  # apply_patch says so
+        stat = git_out(state, "apply", "--numstat", "-z", str(diff))
+        touched = [f.split("\t")[-1] for f in stat.split("\0")] if stat else []
+        undo = sorted(earlier.intersection(touched))
+        if not undo:
+            continue
+        proc = git(
+            state, "apply", "-R", "--whitespace=nowarn",
+            *(f"--include={_glob_escape(f)}" for f in undo), str(diff), check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise ForkError(
+                f"patch {patch_id(index, patch)}: its diff of {', '.join(undo)} "
+                "does not reverse-apply to the repository's (final) copies: "
+                + (proc.stderr.strip().splitlines() or ["?"])[-1]
+            )
+    return dirs[::-1]
+
+
+def apply_patch(tree: Path, index: int, patch: Patch, files: Path) -> None:
+    """Add the patch's files (from ``files``), apply its diff and commit it."""
     pid = patch_id(index, patch)
     for rel in patch.files:
-        src = ROOT / rel
+        src = files / rel
         dst = tree / rel
         if not src.is_file():
             raise ForkError(f"patch {pid}: new file {rel} is missing from the repo")
@@ -343,9 +407,7 @@ def apply_patch(tree: Path, index: int, patch: Patch) -> None:
                 f"patch {pid}: new file {rel} already exists in the tree; "
                 "changes to existing files belong in the patch's diff"
             )
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
-        shutil.copymode(src, dst)
+        _copy(src, dst)
     if patch.files:
         git(tree, "add", "-f", "--", *patch.files)
     if patch.diff:
@@ -412,17 +474,19 @@ def build(tree: Path, force: bool) -> Manifest:
                 f"{reason}; commit and run `python3 tools/fork.py save` first, "
                 "or rerun build with --force to discard it"
             )
-    prepare_base(tree, sdist)
-    try:
-        for index, patch in enumerate(manifest.patches, start=1):
-            apply_patch(tree, index, patch)
-    except ForkError:
-        # Leave a clean tree holding the patches that applied; it is the
-        # series' own output, so the next build may discard it.
-        git(tree, "reset", "-q", "--hard", check=False)
-        git(tree, "clean", "-q", "-ffd", check=False)
-        mark_saved(tree)
-        raise
+    with tempfile.TemporaryDirectory(prefix="fork-files-") as tmp:
+        versions = added_versions(ROOT, manifest.patches, Path(tmp))
+        prepare_base(tree, sdist)
+        try:
+            for index, patch in enumerate(manifest.patches, start=1):
+                apply_patch(tree, index, patch, versions[index - 1])
+        except ForkError:
+            # Leave a clean tree holding the patches that applied; it is the
+            # series' own output, so the next build may discard it.
+            git(tree, "reset", "-q", "--hard", check=False)
+            git(tree, "clean", "-q", "-ffd", check=False)
+            mark_saved(tree)
+            raise
     mark_saved(tree)
     return manifest
 
@@ -684,6 +748,50 @@ def read_blob(tree: Path, commit: str, path: str) -> tuple[bytes, int]:
     return data, 0o755 if mode == "100755" else 0o644
 
 
+def final_blob(tree: Path, path: str) -> tuple[bytes, int] | None:
+    """``read_blob`` at HEAD; None where the series deletes the file again."""
+    if not git_out(tree, "ls-tree", "HEAD", "--", path):
+        return None
+    return read_blob(tree, "HEAD", path)
+
+
+def root_differences(manifest: Manifest) -> list[str]:
+    """Active patches' new files whose repository copy is not the tree's HEAD's.
+
+    The repository keeps each new file as the whole series leaves it
+    (``build`` derives earlier versions from the later patches' diffs).
+    """
+    bad: list[str] = []
+    for rel in sorted({f for p in manifest.patches for f in p.files}):
+        final, dest = final_blob(TREE, rel), ROOT / rel
+        if final is None:
+            if dest.exists():
+                bad.append(f"{rel} (deleted by the series, still at the root)")
+        elif not dest.is_file():
+            bad.append(f"{rel} (missing at the root)")
+        elif dest.read_bytes() != final[0]:
+            bad.append(f"{rel} (content)")
+        elif dest.stat().st_mode & 0o777 != final[1]:
+            bad.append(f"{rel} (mode)")
+    return bad
+
+
+def cmd_check_root(_: argparse.Namespace) -> int:
+    require_tree()
+    manifest = load_manifest()
+    stack_commits(manifest)  # the tree holds the manifest's patches
+    bad = root_differences(manifest)
+    if bad:
+        print(
+            f"check-root: FAIL: root copies differ from {_rel(TREE)} HEAD's: "
+            + "; ".join(bad)
+        )
+        return 1
+    n = sum(len(p.files) for p in manifest.patches)
+    print(f"check-root: OK: {n} new file(s) at the root are {_rel(TREE)} HEAD's")
+    return 0
+
+
 class RepoWriter:
     """Writes and deletions of `save`, or with ``check`` only their diff."""
 
@@ -739,9 +847,13 @@ def cmd_save(args: argparse.Namespace) -> int:
     ):
         subject, body = commit_text(TREE, commit)
         added, other = changed_paths(TREE, commit)
-        for path in added:
+        for path in added:  # the root copy is the final version (HEAD's)
             _check_relpath(f"commit {commit[:12]}", path)
-            out.write(path, *read_blob(TREE, commit, path))
+            final = final_blob(TREE, path)
+            if final is None:
+                out.remove(path)
+            else:
+                out.write(path, *final)
         diff_rel: str | None = None
         if other:
             numstat = git_out(TREE, "diff", "--numstat", f"{commit}^", commit,
@@ -844,6 +956,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write nothing; fail if save would change the repository",
     )
     sub.add_parser("summary", help="print the series")
+    sub.add_parser(
+        "check-root", help="fail if a root copy of a new file is not build/vllm's"
+    )
     args = parser.parse_args(argv)
     handlers = {
         "fetch": cmd_fetch,
@@ -852,6 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "roundtrip": cmd_roundtrip,
         "save": cmd_save,
         "summary": cmd_summary,
+        "check-root": cmd_check_root,
     }
     try:
         return handlers[args.command](args)

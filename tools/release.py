@@ -65,18 +65,19 @@ from fork import (
     Patch,
     _apply_error,
     _rel,
+    added_versions,
     changed_paths,
     commit_message,
     commit_text,
     dump_manifest,
     fetch_sdist,
+    final_blob,
     git,
     git_env,
     git_out,
     load_manifest,
     make_base,
     patch_id,
-    read_blob,
     sha256_of,
 )
 
@@ -278,11 +279,22 @@ def fetch_release(version: str, pinned: str) -> Path:
 # the scratch repository
 
 
-def apply_from(root: Path, tree: Path, index: int, patch: Patch) -> None:
-    """``fork.apply_patch`` with the new files and diff taken from ``root``."""
+def first_versions(root: Path, patches: list[Patch], work: Path) -> list[Path]:
+    """``fork.added_versions``; a series saved before the root kept each new
+    file's final version (e.g. the 0.33.0 state) keeps the versions it adds."""
+    try:
+        return added_versions(root, patches, work)
+    except ForkError as exc:
+        say(f"series: root copies taken as the versions patches add ({exc})")
+        return [root] * len(patches)
+
+
+def apply_from(root: Path, tree: Path, index: int, patch: Patch, files: Path) -> None:
+    """``fork.apply_patch`` with the diff taken from ``root``, new files from
+    ``files``."""
     pid = patch_id(index, patch)
     for rel in patch.files:
-        src, dst = root / rel, tree / rel
+        src, dst = files / rel, tree / rel
         if dst.exists() or dst.is_symlink():
             raise ForkError(f"patch {pid}: new file {rel} already exists in the tree")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -327,14 +339,17 @@ def build_scratch(work: Path, series: Series, old_sdist: Path, new: str,
     old_repo, repo = work / "old", work / "vllm"
     t0 = time.monotonic()
     make_base(old_repo, old_sdist, old.version, old.base_commit)
-    for index, patch in enumerate(series.manifest.patches, start=1):
-        try:
-            apply_from(series.root, old_repo, index, patch)
-        except ForkError as exc:
-            raise ForkError(
-                f"the series of {series.rev[:12]} does not build on its own "
-                f"release v{old.version}: {exc}"
-            ) from None
+    patches = series.manifest.patches
+    with tempfile.TemporaryDirectory(prefix="release-files-") as tmp:
+        files = first_versions(series.root, patches, Path(tmp))
+        for index, patch in enumerate(patches, start=1):
+            try:
+                apply_from(series.root, old_repo, index, patch, files[index - 1])
+            except ForkError as exc:
+                raise ForkError(
+                    f"the series of {series.rev[:12]} does not build on its own "
+                    f"release v{old.version}: {exc}"
+                ) from None
     git(old_repo, "branch", "-q", f"series-{old.version}")
     # Whoever resolves a conflict there runs plain git: no background repack.
     git(old_repo, "config", "gc.auto", "0")
@@ -623,9 +638,12 @@ def write_back(s: Scratch, series: Series, new_sha: str, new_base: str) -> list[
     for index, (commit, old) in enumerate(zip(commits, s.patches, strict=True), 1):
         subject, body = commit_text(repo, commit)
         added, other = changed_paths(repo, commit)
-        for path in added:
-            data, mode = read_blob(repo, commit, path)
-            dest = ROOT / path
+        for path in added:  # as fork.py save: the final version at the root
+            final, dest = final_blob(repo, path), ROOT / path
+            if final is None:
+                dest.unlink(missing_ok=True)
+                continue
+            data, mode = final
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
             dest.chmod(mode)

@@ -10,6 +10,8 @@ Run it with the project venv's python after `tools/fork.py build` (that is what
   with the tree's own configs. A tool with no matching files passes.
 * ``series``: pytest over the test files the manifest's patches add.
 * ``roundtrip``: ``tools/fork.py roundtrip``.
+* ``save-check`` / ``root-final``: ``tools/fork.py save --check``; the root
+  copies of new files are build/vllm's final ones (checks/test_root_copies.py).
 * ``pytest``: an upstream pytest selection (run inside build/vllm/tests).
 * ``checks``: the project-level checks (``checks/``, not exported): the layout
   zoo, the real-NIXL pairing matrix held against the stock release (run first on
@@ -65,7 +67,7 @@ from testrun.common import (
 from testrun.lint import run_lint, run_lint_project, update_mypy_baseline
 from testrun.mutations import run_mutations
 from testrun.project_checks import run_checks, run_e2e
-from testrun.pytest_runs import BATCHED, run_batch, run_stack1
+from testrun.pytest_runs import BATCHED, run_batch, run_pytest, run_stack1
 from testrun.report import print_table, write_summary
 from testrun.suites import SUITES, Suite
 
@@ -101,6 +103,10 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         rc = run_logged([PYTHON, "tools/fork.py", "save", "--check"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))
         res.note = "build + save leave the repo unchanged" if rc == 0 else "see log"
+    elif suite.kind == "root-final":
+        res = run_pytest(suite.name, ["--noconftest", "checks/test_root_copies.py"],
+                         None, 0, log, env, cwd=ROOT)  # fmt: skip
+        res.note = res.note.replace("2 files", "root copies = build/vllm HEAD's")
     else:
         return run_batch([suite], env)
     return [res]

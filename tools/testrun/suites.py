@@ -85,6 +85,10 @@ SUITES: list[Suite] = [
     Suite("stack1-alone", "stack1", workers=2),
     # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
+    # Each new file's root copy is build/vllm HEAD's (its final version), and
+    # a later patch's edit of an earlier patch's new file builds back
+    # (checks/test_root_copies.py, no vLLM).
+    Suite("root-final", "root-final", quick=True),
     # The series and pytest suites below share one pytest run (run_batch).
     # Series test files that job does not run (the GPU tests: they skip here).
     Suite("series-tests", "series", workers=2, quick=True),

@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The repository keeps each new file of the series as the whole series leaves
+it (``tools/fork.py``): a root copy equals build/vllm HEAD's, and ``build``
+derives the version a patch adds from the later patches' diffs.
+
+Stdlib and git only (no vLLM): the test command's suite ``root-final`` runs it
+alone, ``.venv/bin/python -m pytest --noconftest checks/test_root_copies.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_root_copies_are_the_built_tree_final_versions() -> None:
+    if not (ROOT / "build" / "vllm" / ".git").is_dir():
+        pytest.skip("build/vllm missing: run `python3 tools/fork.py build`")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "fork.py"), "check-root"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check-root: OK" in proc.stdout
+
+
+ACTIVE = '[[patch]]\nname = "one"\n[[patch]]\nname = "two"\n[[patch]]\nname = "three"\n'
+PARKED = """
+[[patch]]
+name = "later"
+subject = "Parked: not built"
+files = ["vllm/parked.py"]
+diff = "series/diffs/0004-later.diff"
+stack = "layout"
+parked = "waits for a port"
+"""
+# A parked diff of the first patch's file that fits no version of it: never
+# applied, never reverse-applied.
+PARKED_DIFF = """\
+diff --git a/vllm/new.py b/vllm/new.py
+--- a/vllm/new.py
++++ b/vllm/new.py
+@@ -1 +1 @@
+-no such line
++nor this one
+"""
+NEW = "vllm/new.py"
+V1 = "def f():\n    return 1\n"
+V2 = "def f():\n    return 2\n\n\ndef g():\n    return 3\n"
+V3 = "def f():\n    return 2\n\n\ndef g():\n    return 4\n"
+
+
+@pytest.fixture
+def fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """tools/fork.py on a scratch repository and a tiny fake release sdist."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import fork
+    import manifest
+
+    repo = tmp_path / "repo"
+    (repo / "series" / "diffs").mkdir(parents=True)
+    (repo / "vllm").mkdir()
+    (repo / "vllm" / "parked.py").write_text("parked = True\n")
+    (repo / "series" / "diffs" / "0004-later.diff").write_text(PARKED_DIFF)
+    (repo / "series" / "manifest.toml").write_text(PARKED)
+    src = tmp_path / "sdist" / "vllm-x"
+    (src / "vllm").mkdir(parents=True)
+    (src / "vllm" / "core.py").write_text("core = 0\n")
+    sdist = tmp_path / "vllm-x.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        tf.add(src, arcname="vllm-x")
+    for module, name, value in [
+        (manifest, "ROOT", repo),
+        (manifest, "MANIFEST", repo / "series" / "manifest.toml"),
+        (fork, "ROOT", repo),
+        (fork, "MANIFEST", repo / "series" / "manifest.toml"),
+        (fork, "TREE", repo / "build" / "vllm"),
+        (fork, "STACK1_TREE", repo / "build" / "stack1"),
+        (fork, "fetch_sdist", lambda: sdist),
+        (fork, "make_base", functools.partial(fork.make_base, expect=None)),
+    ]:
+        monkeypatch.setattr(module, name, value)
+    return fork
+
+
+def _commit(fork: ModuleType, tree: Path, msg: str, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        (tree / rel).write_text(text)
+    fork.git(tree, "add", "-A")
+    fork.git(tree, "commit", "-q", "-m", msg, identity=fork.BUILD_IDENTITY)
+    return fork.git_out(tree, "rev-parse", "HEAD")
+
+
+def test_later_patch_edits_an_earlier_patch_new_file(fork: ModuleType) -> None:
+    repo, tree = fork.ROOT, fork.TREE
+    assert fork.main(["build"]) == 0  # the parked patch alone: nothing built
+    commits = [
+        _commit(fork, tree, "Add new\n\nWhy one.", {NEW: V1, "vllm/core.py": "c\n"}),
+        _commit(fork, tree, "Edit new\n\nWhy two.", {NEW: V2}),
+        _commit(fork, tree, "Edit new again\n\nWhy three.", {NEW: V3}),
+    ]
+    (repo / "series" / "manifest.toml").write_text(ACTIVE + PARKED)
+    assert fork.main(["save"]) == 0
+    # The root holds the final version; the later diffs carry the edits.
+    assert (repo / "vllm" / "new.py").read_text() == V3
+    assert "+    return 3" in (repo / "series/diffs/0002-two.diff").read_text()
+    assert "+    return 4" in (repo / "series/diffs/0003-three.diff").read_text()
+    assert (repo / "vllm" / "parked.py").read_text() == "parked = True\n"
+    assert (repo / "series/diffs/0004-later.diff").read_text() == PARKED_DIFF
+    assert fork.main(["save", "--check"]) == 0
+    assert fork.main(["check-root"]) == 0
+
+    # build reproduces every commit byte-exact (ids: trees and messages).
+    assert fork.main(["build", "--force"]) == 0
+    assert fork.series_commits(tree) == commits
+    assert fork.git_out(tree, "show", f"{commits[0]}:vllm/new.py") + "\n" == V1
+    assert fork.main(["save", "--check"]) == 0
+    assert fork.main(["roundtrip"]) == 0
+
+    # A root copy that is not the built tree's final version is caught.
+    (repo / "vllm" / "new.py").write_text(V2)
+    assert fork.main(["check-root"]) == 1
+    assert fork.root_differences(fork.load_manifest()) == ["vllm/new.py (content)"]
+    assert fork.main(["save", "--check"]) == 1
+    assert fork.main(["build", "--force"]) == 1  # V2 takes no reverse of 0003
