@@ -36,23 +36,13 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
     (
         "nixl-row-page-reads",
         "v1/kv_connector/unit/test_nixl_row_pages.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/row_pages.py",
-        "base=row.base + member.offset,",
-        "base=row.base,",
-    ),
-    # A preferred row shared by groups advertised whole (0.33.0's per-layer
-    # decoders of the same settings refuse it).
-    (
-        "nixl-mla-block-outermost-layout",
-        "v1/kv_connector/unit/test_nixl_desc_geometry.py"
-        "::test_shared_rows_are_advertised_as_the_same_settings_on_0_33",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
-        "self._advertise_shared_row_pages(agent_metadata)",
-        "pass",
+        "base_addrs=[base_addrs[r] + offset for r, offset, _, _ in spans],",
+        "base_addrs=[base_addrs[r] for r, offset, _, _ in spans],",
     ),
     # MultiConnector forwarding a preference a sub-connector did not state.
     (
-        "nixl-gqa-head-major-rows",
+        "nixl-mla-block-outermost-layout",
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
         "return layouts.pop() if len(layouts) == 1 else None",

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 from vllm.v1.attention.backends.utils import (
+    get_flashinfer_kv_cache_layouts,
     get_supported_kv_cache_layouts,
     resolve_kv_cache_layout,
 )
@@ -86,6 +87,35 @@ def test_mla_resolves_to_block_outermost_rows(caplog_vllm):
     with stack:
         assert _resolve(config) == KVCacheLayout.BLHNC
     assert not _warnings(caplog_vllm)
+    # The reason travels with the name to the workers, which log both.
+    assert config.cache_config.kv_cache_layout_reason == (
+        "preferred by the KV connector"
+    )
+
+
+# What each GPU generation's backends declare (FlashInfer: head-major pages
+# on capability 10 only; the MLA backends declare nothing).
+FLASHINFER_LAYOUTS = {
+    9: [[m.name for m in get_flashinfer_kv_cache_layouts()]],
+    10: [["LBHNC", "BLHNC"]],
+}
+
+
+@pytest.mark.parametrize("capability", [9, 10])
+@pytest.mark.parametrize("extensible", [False, True])
+@pytest.mark.parametrize(
+    "use_mla, expected", [(True, KVCacheLayout.BLHNC), (False, KVCacheLayout.LBHNC)]
+)
+def test_one_layout_per_model_across_gpu_generations(
+    capability, extensible, use_mla, expected
+):
+    """A B200 (capability 10), or a GB200 with the extensible KV cache, pairs
+    with an H100 (capability 9) at one layout."""
+    supported = ANY_LAYOUT if use_mla else FLASHINFER_LAYOUTS[capability]
+    config, stack = _config(use_mla=use_mla)
+    config.cache_config.enable_extensible_kv_cache = extensible
+    with stack:
+        assert _resolve(config, supported) == expected
 
 
 @pytest.mark.parametrize(
