@@ -87,24 +87,26 @@ STOCK_CORRUPTS: dict[str, tuple[str, str | None, str | None]] = {
     # GQA block rows (BHLNC) whose layers P's and D's planners placed in
     # another order: 0.34.0 reads whole rows into rows of another order (no
     # row layout is advertised for non-MLA rows); every layer page lands in
-    # another layer's place (16 of 16 pages wrong). The fork's layout stack
-    # reads them head page by head page.
+    # another layer's place (16 of 16 pages wrong). nixl-whole-row-pair-checks
+    # advertises each layer's offset in such rows and refuses the pair at the
+    # handshake (the parked layout stack would read them head page by head
+    # page).
     **{
         f"{model}/BHLNC->{model}/BHLNC:permuted": (
             "whole GQA rows read across layer orders",
-            None,
-            "nixl-gqa-head-major-rows",
+            "sit at other offsets",
+            "nixl-whole-row-pair-checks",
         )
         for model in ("gpt-oss", "llama8b")
     },
     # The same rows with P's blocks half D's: 0.34.0 reads each P row into
     # one half of D's row, where a layer's tokens of a head are spread over
-    # the whole row (16 of 16 layer pages wrong). The fork's layout stack
-    # reads them head page by head page, each P block at its tokens' place.
+    # the whole row (16 of 16 layer pages wrong). nixl-whole-row-pair-checks
+    # refuses such rows of different block sizes at the handshake.
     "gpt-oss/BHLNC->gpt-oss/BHLNC:block-size": (
         "whole GQA rows read across block sizes",
-        None,
-        "nixl-gqa-head-major-rows",
+        "the block sizes differ",
+        "nixl-whole-row-pair-checks",
     ),
     # Pages of two sizes sharing the row from byte 0 (sliding layers' pages
     # half the full layers'), P and D with their pages in other orders

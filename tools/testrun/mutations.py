@@ -74,6 +74,15 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "if len(self.kv_cache_config.kv_cache_groups) == 1:",
         "if not self._is_hma_required:",
     ),
+    # Head-major GQA rows paired whatever their layer offsets (0.34.0): rows
+    # of another layer order pass the handshake.
+    (
+        "nixl-whole-row-pair-checks",
+        "v1/kv_connector/unit/test_nixl_whole_row_pairs.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "if name in remote_rows and remote_rows[name][0] != offset",
+        "if name in remote_rows and remote_rows[name][0] < 0",
+    ),
     (
         "nixl-remote-block-id-checks",
         "v1/kv_connector/unit/test_nixl_read_checks.py",
