@@ -53,12 +53,20 @@ _SPARSE = (
 )
 _DENSE = ("vllm.v1.attention.backends.mla.flashmla:FlashMLABackend",)
 BACKENDS = {"dsv32": _SPARSE, "glm53-mtp": _SPARSE, "mla-swa": _DENSE}
-# Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads): FlashAttention
-# on CUDA, or a backend that takes LBHNC only (``backend="cpu"``: CPU_ATTN).
-GQA_MODELS = {"llama8b"}
+# DeepSeek-V4: its indexer backend declares block-outermost layouts only.
+BACKENDS |= {
+    "dsv4": (
+        "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
+        "vllm.v1.attention.backends.mla.indexer:DeepseekV4IndexerBackend",
+    )
+}
+# Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads; a gpt-oss-like
+# sliding/full hybrid): FlashAttention on CUDA, or a backend that takes LBHNC
+# only (``backend="cpu"``: CPU_ATTN).
+GQA_MODELS = {"llama8b", "gpt-oss"}
 _FLASH_ATTN = ("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",)
 _CPU_ATTN = ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",)
-BACKENDS |= {"llama8b": _FLASH_ATTN}
+BACKENDS |= {"llama8b": _FLASH_ATTN, "gpt-oss": _FLASH_ATTN}
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,16 @@ def _stock(**kw: Any) -> Config:
 # BLHNC), a host-staging peer, one-sided settings (block size,
 # VLLM_KV_CACHE_LAYOUT, a MultiConnector) and rows shared by groups.
 CROSS_CASES: list[Pair] = [
+    # Stock 0.34.0 <-> series on defaults, every family, both ways: MLA rows
+    # against stock's per-layer pages (DeepSeek-V4's indexers take BLHNC on
+    # both trees), dense GQA and a sliding/full GQA hybrid (LBHNC on both).
+    *_both_ways(_stock(model="dsv4"), _fork(model="dsv4")),
+    *_both_ways(_stock(model="llama8b"), _fork(model="llama8b")),
+    *_both_ways(_stock(model="gpt-oss"), _fork(model="gpt-oss")),
+    # A user-set head-major layout: the series registers what stock does.
+    *_both_ways(
+        _stock(model="llama8b", layout="BHLNC"), _fork(model="llama8b", layout="BHLNC")
+    ),
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
@@ -246,7 +264,7 @@ class _Side:
             classes.append(getattr(__import__(module, fromlist=[name]), name))
         supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
         base = "LBHNC" if c.model in GQA_MODELS else "BLHNC"
-        tiny = build_zoo_layout(f"{c.model}/{base}", num_blocks=16)
+        tiny = build_zoo_layout(f"{c.model}/{base}", num_blocks=32)
         specs = []
         for group in tiny.kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
