@@ -367,9 +367,10 @@ class _Side:
         # A second request of one 8-block run, consecutive on both sides (as
         # a sorted pool hands them out): what merging buys, where it can.
         groups = len(self.worker.kv_cache_config.transfer_groups)
+        limit = min(peer["limit"], *self.worker.region_num_blocks)
         self.runs = (
             [list(range(6 + 10 * g, 14 + 10 * g)) for g in range(groups)]
-            if self.ratio == 1
+            if self.ratio == 1 and 14 + 10 * (groups - 1) <= limit
             else None
         )
         return {"lists": self.remote, "runs": self.runs}

@@ -73,11 +73,16 @@ def results() -> dict:
 def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
     want, got = results[pair.oracle().name], results[pair.name]
     assert want["accepted"], f"stock + stock refuses {pair.oracle().name}: {want}"
-    assert not want["wrong_pages"] and want["outside_clean"], want
+    assert not want["wrong_pages"] and want["untouched"], want
     assert got["accepted"], got
     assert got["pages"] == want["pages"] > 0
     assert got["wrong_pages"] == 0, got
-    assert got["outside_clean"] and got["untouched"], got
+    # No byte outside the request's pages, except where stock + stock writes
+    # some too: a row several groups share (DeepSeek-V4) is read whole on
+    # both trees, its bytes beyond the owning group's pages included. Other
+    # blocks stay untouched either way.
+    assert got["outside_clean"] or not want["outside_clean"], (got, want)
+    assert got["untouched"], got
     # GQA rows against pages (issue 39) read one descriptor per layer, KV
     # head and block: at most the heads times stock's per-layer pages.
     heads = GQA_HEADS if _crosses_gqa_layouts(got) else 1
