@@ -134,28 +134,47 @@ def pull(
     """Read one request through D's read path; return the descriptors posted.
 
     The block ids are one transfer group's; ``local_groups`` repeats the
-    local ones for each of D's groups (a HiSparse decoder has two). A side
-    that stages through host buffers runs its staging copy as a deployment
-    does: P copies the blocks to its host buffers before the READ
+    local ones for each of D's groups (a HiSparse decoder has two).
+    """
+    return pull_groups(
+        decode,
+        prefill,
+        [list(local_block_ids)] * local_groups,
+        [list(remote_block_ids)],
+    )
+
+
+def pull_groups(
+    decode: NixlPullConnectorWorker,
+    prefill: NixlPullConnectorWorker,
+    local_block_ids: Sequence[Sequence[int]],
+    remote_block_ids: Sequence[Sequence[int]],
+) -> int:
+    """``pull`` with one block id list per transfer group on each side.
+
+    A side that stages through host buffers runs its staging copy as a
+    deployment does: P copies the blocks to its host buffers before the READ
     (``save_kv_to_host``), D copies what it read to its device caches after.
     """
     req_id = f"req-{uuid.uuid4()}"
+    local = [list(group) for group in local_block_ids]
+    remote = [list(group) for group in remote_block_ids]
     meta = ReqMeta(
-        local_block_ids=[list(local_block_ids)] * local_groups,
-        local_physical_block_ids=[list(local_block_ids)] * local_groups,
+        local_block_ids=local,
+        local_physical_block_ids=local,
         tp_size=1,
         remote=RemoteMeta(
-            block_ids=[list(remote_block_ids)],
+            block_ids=remote,
             host="localhost",
             port=0,
             engine_id=prefill.engine_id,
             request_id=req_id,
-            num_tokens=len(remote_block_ids) * BLOCK_SIZE,
+            num_tokens=max(map(len, remote)) * BLOCK_SIZE,
         ),
     )
     if prefill.use_host_buffer:
         saved = NixlConnectorMetadata()
-        saved.add_new_req_to_save(req_id, [list(remote_block_ids)], {})
+        saved.add_new_req_to_save(req_id, remote, {})
         prefill.save_kv_to_host(saved)
     decode._read_blocks_for_req(req_id, meta)
     assert req_id not in decode._recv_failures
@@ -190,6 +209,11 @@ def fill_allocations(caches: dict[str, torch.Tensor]) -> None:
         raw.copy_(torch.randint(1, 255, raw.shape, dtype=torch.uint8))
 
 
+def nonzero_bytes(caches: dict[str, torch.Tensor]) -> int:
+    """Non-zero bytes in every allocation behind the caches."""
+    return sum(int(torch.count_nonzero(raw)) for raw in _storages(caches))
+
+
 def zero_allocations(caches: dict[str, torch.Tensor]) -> None:
     """Zero every allocation behind the caches (a host pool starts uninitialized)."""
     for raw in _storages(caches):
@@ -215,6 +239,4 @@ def assert_landed(
             got[list(local_block_ids)].cpu(), want[list(remote_block_ids)].cpu()
         ), name
         written += got[list(local_block_ids)].nbytes
-    assert sum(int(torch.count_nonzero(raw)) for raw in _storages(d_caches)) == (
-        written
-    )
+    assert nonzero_bytes(d_caches) == written

@@ -14,10 +14,6 @@ import pytest
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    RemoteMeta,
-    ReqMeta,
-)
 from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
@@ -35,8 +31,10 @@ from .nixl_dram_workers import (
     fill_allocations,
     handshake,
     make_worker,
+    nonzero_bytes,
     plan_mla_caches,
     pull,
+    pull_groups,
     require_nixl,
     zero_allocations,
 )
@@ -165,29 +163,7 @@ def test_rows_shared_by_groups_read_layer_regions(p_layout, d_layout):
         local, remote = [[1, 2], [5, 6, 7]], [[3, 4], [9, 10, 11]]
         layers = [g.layer_names for g in d_config.transfer_groups]
         assert len(layers) == 2
-        req_id = "req-groups"
-        decode._read_blocks_for_req(
-            req_id,
-            ReqMeta(
-                local_block_ids=local,
-                local_physical_block_ids=local,
-                tp_size=1,
-                remote=RemoteMeta(
-                    block_ids=remote,
-                    host="localhost",
-                    port=0,
-                    engine_id=prefill.engine_id,
-                    request_id=req_id,
-                    num_tokens=3 * BLOCK_SIZE,
-                ),
-            ),
-        )
-        assert req_id not in decode._recv_failures
-        for handle in decode._recving_transfers.pop(req_id):
-            while (state := decode.nixl_wrapper.check_xfer_state(handle)) == "PROC":
-                pass
-            assert state == "DONE", state
-            decode.nixl_wrapper.release_xfer_handle(handle)
+        pull_groups(decode, prefill, local, remote)
         written = 0
         for names, dst, src in zip(layers, local, remote):
             for name in names:
@@ -195,15 +171,7 @@ def test_rows_shared_by_groups_read_layer_regions(p_layout, d_layout):
                 assert torch.equal(got, p_caches[name][src]), name
                 written += got.nbytes
         # The prefiller's bytes are never zero: any other one is a stray write.
-        storages = {c.untyped_storage().data_ptr(): c for c in d_caches.values()}
-        assert written == sum(
-            int(
-                torch.count_nonzero(
-                    torch.empty(0, dtype=torch.uint8).set_(c.untyped_storage())
-                )
-            )
-            for c in storages.values()
-        )
+        assert nonzero_bytes(d_caches) == written
     finally:
         decode.shutdown()
         prefill.shutdown()
