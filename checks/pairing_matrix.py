@@ -225,7 +225,7 @@ MODEL_PAIRS = [
 # (prefill, decode): every zoo layout with itself, plus the cross pairs a
 # deployment meets (HiSparse decoder, host staging on either side, in either
 # layout, the default layout against BLHNC, a PP=2 prefiller). The fork
-# stages single-group MLA rows (glm53, dsv32 BLHNC) in a mirrored host row.
+# stages MLA rows (glm53, dsv32 BLHNC) in a mirrored host row.
 PAIRS = [
     (name, name)
     for name in ZOO
@@ -644,6 +644,13 @@ def _head_truth(d_layout, p_layouts, case, decode, local, remote, raws) -> dict:
     }
 
 
+def _mirrored(worker) -> bool:
+    """Whether the worker stages its layers in one host allocation."""
+    hosts = getattr(worker, "host_xfer_buffers", {}).values()
+    storages = {host.untyped_storage().data_ptr() for host in hosts}
+    return len(hosts) > 1 and len(storages) == 1
+
+
 def _failure(out: dict[str, Any], step: str, e: BaseException) -> dict[str, Any]:
     out["error"] = f"{step}: {_error(e)}"
     out["message"] = str(e)[:600]
@@ -684,10 +691,8 @@ def run_case(case: Case) -> dict[str, Any]:
         *prefills, decode = workers
         prefill = prefills[0]
         out["regions"] = [prefill.num_regions, decode.num_regions]
-        # Host staging in one buffer mirroring the device row (fork only).
-        out["mirrored"] = [
-            getattr(w, "_host_rows", None) is not None for w in (prefill, decode)
-        ]
+        # Host staging in one allocation mirroring the device's (fork only).
+        out["mirrored"] = [_mirrored(w) for w in (prefill, decode)]
         try:
             for worker, rank in zip(prefills, p_ranks, strict=True):
                 connect(

@@ -86,10 +86,11 @@ def wrong(result: dict) -> list[str]:
     return why
 
 
-# Host-staging layouts the fork stages in one buffer mirroring the device row:
-# MLA rows (BLHNC) of one transfer group. Rows several groups share (mla-swa,
-# DeepSeek-V4) and layer-outermost layouts keep per-layer buffers, as stock.
-# (While its patch is parked the fork stages as stock: none.)
+# Host-staging layouts the fork stages in one allocation mirroring the
+# device's: MLA layers whose views share one allocation and block stride (the
+# BLHNC rows here). The zoo's LBNHC MLA layouts hold the DSA indexer's pages at
+# another block stride, so they keep per-layer buffers, as stock. (While its
+# patch is parked the fork stages as stock: none.)
 MIRRORED_STAGING = (
     set()
     if is_parked("nixl-mirrored-host-staging")

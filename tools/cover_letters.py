@@ -133,11 +133,12 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
         if run["status"] != "ok":
             return f"{text}, {run['status']}"
         read_as = run["read_as"]
-        return (
-            text
-            if read_as in (None, run["decode_regions"])
-            else (f"{text} -> {read_as}")
-        )
+        if read_as not in (None, run["decode_regions"]):
+            text += f" -> {read_as}"
+        if any(run.get("host_bytes_per_block", ())):
+            staged = " / ".join(f"{b:,}" for b in run["host_bytes_per_block"])
+            text += f" (host B/block {staged})"
+        return text
 
     body = []
     for row in rows:
@@ -151,7 +152,10 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
     return [
         *_table(header, body),
         "",
-        "`-> N`: the decoder reads its regions as N (coalesced reads). Each "
+        "`-> N`: the decoder reads its regions as N (coalesced reads). `host "
+        "B/block`: host staging bytes per block, P / D (the distinct host "
+        "allocations behind the staging buffers; 0: the side does not stage), "
+        "at the zoo's page sizes. Each "
         f"column runs in a process of its own tree (stock: v{VLLM_VERSION}).",
     ]
 

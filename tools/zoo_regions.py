@@ -15,7 +15,9 @@ process of its own tree:
   the decoder. While ``series/manifest.toml`` parks those patches the column
   is the built series' and the lines ``parked: ...`` name what it lacks.
 
-and print the regions each side registers and the regions the decoder reads.
+and print the regions each side registers, the regions the decoder reads and,
+where a side stages, the host bytes per block it allocates for staging (the
+distinct host allocations behind its staging buffers, over the zoo's blocks).
 "refused" is a handshake the worker refuses; "failed" a pair the zoo could
 not build on that tree. If ``checks/layout_zoo.py`` does not import on a
 tree (checks/ being ported to a new release) the script prints ``parked:
@@ -48,6 +50,8 @@ SERIES_FEATURES = (
 # A layout name with this suffix is built with its pages in another order
 # (``build_zoo_layout(permute_seed=1)``).
 PERMUTED = "@permuted"
+# Blocks of every zoo layout built here.
+NUM_BLOCKS = 16
 
 PAIRS = [
     ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
@@ -69,6 +73,7 @@ PAIRS = [
     ("glm53-mtp/BLHNC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53-mtp+host-staging/BLHNC", "glm53-mtp/BLHNC"),
     ("dsv32+host-staging/LBNHC", "dsv32+host-staging/LBNHC"),
+    ("dsv4-mtp+host-staging/BLHNC", "dsv4-mtp+host-staging/BLHNC"),
     ("glm53-mtp+host-staging/LBNHC", "glm53-mtp+host-staging/BLHNC"),
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
     # The same decoder from a prefiller whose row holds its pages in another
@@ -84,7 +89,7 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
     base, _, tag = name.partition("@")
     layout = zoo.build_zoo_layout(
         base,
-        num_blocks=16,
+        num_blocks=NUM_BLOCKS,
         num_layers=layers,
         permute_seed=1 if f"@{tag}" == PERMUTED else None,
     )
@@ -92,6 +97,15 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
         layout, engine_id=engine_id, coalesce=series, real_nixl=False
     )
     return worker, layout
+
+
+def _host_bytes_per_block(worker: Any, num_blocks: int) -> int:
+    """Bytes of the distinct host allocations behind the staging buffers."""
+    storages = {
+        host.untyped_storage().data_ptr(): host.untyped_storage().nbytes()
+        for host in worker.host_xfer_buffers.values()
+    }
+    return sum(storages.values()) // num_blocks
 
 
 def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict:
@@ -112,6 +126,9 @@ def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict
         "prefill_regions": prefill.num_regions,
         "decode_regions": decode.num_regions,
         "synthetic": d_layout.synthetic,
+        "host_bytes_per_block": [
+            _host_bytes_per_block(w, NUM_BLOCKS) for w in (prefill, decode)
+        ],
     }
     try:
         zoo.connect(decode, prefill)
@@ -241,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             return f"{regions}, {side['status']}"
         if side["read_as"] != side["decode_regions"]:
             regions += f" -> {side['read_as']}"
+        if any(side.get("host_bytes_per_block", ())):
+            staged = " / ".join(f"{b:,}" for b in side["host_bytes_per_block"])
+            regions += f" (host B/block {staged})"
         return regions
 
     print(

@@ -79,7 +79,9 @@ class Side:
     def staging(self) -> str:
         if not self.stages:
             return "none"
-        mirrored = getattr(self.worker, "_host_rows", None) is not None
+        hosts = self.worker.host_xfer_buffers.values()
+        storages = {host.untyped_storage().data_ptr() for host in hosts}
+        mirrored = len(hosts) > 1 and len(storages) == 1
         return "mirrored" if mirrored else "per-layer"
 
 

@@ -131,20 +131,13 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "        if self.sort_new_blocks:\n"
         '            ret.sort(key=attrgetter("block_id"))\n',
     ),
-    (
-        "nixl-mirrored-host-staging",
-        "v1/kv_connector/unit/test_nixl_host_staging.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/host_staging.py",
-        "if merged and start <= merged[-1][1]:",
-        "if merged and start < merged[-1][1]:",
-    ),
-    # Mirroring rows that several transfer groups share.
+    # Host views at the device views' offsets.
     (
         "nixl-mirrored-host-staging",
         "v1/kv_connector/unit/test_nixl_host_staging.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
-        "and len(groups) == 1\n",
-        "and groups\n",
+        "host, cache.storage_offset(), cache.shape, cache.stride()",
+        "host, 0, cache.shape, cache.stride()",
     ),
     (
         "nixl-coalesced-reads",
@@ -195,7 +188,6 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
 # here.
 GPU_ONLY = frozenset(
     {
-        "v1/kv_connector/unit/test_nixl_gpu_staging.py",
         "v1/kv_connector/unit/test_nixl_gpu_coalesced.py",
         "v1/kv_connector/nixl_integration/test_nixl_gpu_pd.py",
     }

@@ -31,12 +31,11 @@ from testrun.suites import Suite
 
 STOCK_TREE = ROOT / "build" / "stock"
 # The patches that introduced a read path the fault cases take (coalesced
-# reads: HiSparse; page reads: an LBNHC prefiller into rows; mirrored host
-# staging): the fault cases also run on their prefixes of the series.
+# reads: HiSparse; page reads: an LBNHC prefiller into rows): the fault cases
+# also run on their prefixes of the series.
 FAULT_PREFIXES = (
     "nixl-coalesced-reads",
     "nixl-row-page-reads",
-    "nixl-mirrored-host-staging",
 )
 FAULT_PREFIX_DIR = ROOT / "build" / "fault-prefixes"
 CHECKS_OUT = ROOT / "build" / "checks"

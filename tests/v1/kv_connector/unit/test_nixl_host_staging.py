@@ -1,229 +1,190 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""NIXL host staging buffers that mirror a block-outermost MLA row."""
+"""NIXL host staging of block-outermost MLA rows: one host row, like the device.
 
-from unittest.mock import MagicMock, patch
+With ``kv_buffer_device="cpu"`` the worker stages KV blocks in host memory. An
+MLA cache laid out block-outermost (BLHNC) is one row allocation, so the host
+side mirrors it: every layer's host view has its device view's offset and
+strides, and the staging side registers and reads as the device side does,
+also where two cache groups overlay the row. Workers run the real
+registration, handshake and read path with a real NIXL agent (UCX on host
+DRAM), the staging copies with the CUDA platform's per-layer block copies.
+"""
+
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import pytest
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.host_staging import (
-    PageLayout,
-    RowSpan,
-    StagingCopies,
-    plan_staging_copies,
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
 )
+from vllm.v1.kv_cache_interface import (
+    KVCacheLayout,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
 
 from .nixl_dram_workers import (
-    assert_landed,
+    BLOCK_SIZE,
     fill_allocations,
     handshake,
     make_worker,
-    plan_mla_caches,
-    pull,
+    nonzero_bytes,
+    pull_groups,
+    require_nixl,
     zero_allocations,
 )
-from .nixl_dram_workers import require_nixl as nixl_cls
+from .utils import create_vllm_config
+
+NUM_LAYERS = 3
+PAGE_BYTES = 512
+NUM_BLOCKS = 16
+# One request per model: two runs of blocks in one group, or a run per group
+# (a block id belongs to one group at a time).
+ONE_GROUP = ([[2, 3, 4, 9, 10]], [[5, 6, 7, 12, 13]])
+TWO_GROUPS = ([[1, 2], [5, 6, 7]], [[3, 4], [9, 10, 11]])
 
 
-@pytest.mark.cpu_test
-def test_staging_copies_move_whole_rows_out_and_pages_in():
-    # Row of 100 B: pages [0, 10) [10, 40) [40, 70) [80, 100), and one that
-    # aliases [10, 30) (an MTP layer sharing a page); bytes [70, 80) are
-    # padding.
-    pages = {
-        "a": PageLayout("row", 0, 100, 10, 8),
-        "b": PageLayout("row", 10, 100, 30, 8),
-        "b.alias": PageLayout("row", 10, 100, 20, 8),
-        "c": PageLayout("row", 40, 100, 30, 8),
-        "d": PageLayout("row", 80, 100, 20, 8),
-    }
-    assert plan_staging_copies(pages) == StagingCopies(
-        rows=(RowSpan("row", 100, 8, 0, 100, ("a", "b", "b.alias", "c", "d")),),
-        spans=(
-            RowSpan("row", 100, 8, 0, 70, ("a", "b.alias", "b", "c")),
-            RowSpan("row", 100, 8, 80, 100, ("d",)),
-        ),
+def _copy_rows(src, dst, src_indices, dst_indices):
+    # The CUDA platform's block copies, on host memory.
+    dst[dst_indices] = src[src_indices]
+
+
+@pytest.fixture(autouse=True)
+def _cuda_block_copies():
+    platform = bw.current_platform
+    with (
+        patch.object(platform, "insert_blocks_to_device", _copy_rows, create=True),
+        patch.object(platform, "swap_out_blocks_to_host", _copy_rows, create=True),
+    ):
+        yield
+
+
+def _plan(layout: str, groups: int):
+    """Planner-built MLA caches: one group, or full and sliding-window layers."""
+    config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
+    config.cache_config.kv_cache_layout = layout
+    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    config.model_config.max_model_len = 2 * BLOCK_SIZE
+    common = dict(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=PAGE_BYTES // BLOCK_SIZE,
+        dtype=torch.uint8,
     )
-
-
-@pytest.mark.cpu_test
-@pytest.mark.parametrize(
-    "odd_page",
-    [
-        PageLayout("row", 90, 100, 20, 8),  # leaves its row
-        PageLayout("row", 40, 50, 10, 8),  # another block stride
-        PageLayout("row", 40, 100, 10, 4),  # another block count
-    ],
-)
-def test_pages_that_are_not_block_rows_are_not_mirrored(odd_page):
-    pages = {"a": PageLayout("row", 0, 100, 40, 8), "b": odd_page}
-    assert plan_staging_copies(pages) is None
-
-
-def _copy_blocks(src, dst, src_ids, dst_ids, direction):
-    """A platform's block copy op (``copy_kv_blocks``), on host tensors."""
-    for name in src:
-        dst[name][torch.tensor(dst_ids)] = src[name][torch.tensor(src_ids)]
-
-
-def _staging(config):
-    config.kv_transfer_config.kv_buffer_device = "cpu"
-
-
-def _make(config, caches, layout, nixl, staging):
-    if not staging:
-        return make_worker(config, caches, layout, nixl)
-    # A CPU platform never stages: build the worker as an accelerator's.
-    with patch.object(bw.current_platform, "device_type", "cuda"):
-        worker = make_worker(config, caches, layout, nixl, configure=_staging)
-    copies = MagicMock(side_effect=_copy_blocks)
-    worker.set_host_xfer_buffer_ops(copies)
-    return worker
-
-
-def _fake_nixl():
-    nixl = MagicMock()
-    nixl.return_value.get_agent_metadata.return_value = b"agent"
-    return nixl
-
-
-def _flat(tensor):
-    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-
-
-def _with_pages(raw, caches, block_ids, source):
-    """The allocation after an exact copy of every layer's pages of the blocks."""
-    expected = raw.clone()
-    for name, cache in caches.items():
-        view = torch.empty(0, dtype=cache.dtype).set_(
-            expected.untyped_storage(),
-            cache.storage_offset(),
-            cache.shape,
-            cache.stride(),
-        )
-        view[block_ids] = source[name][block_ids]
-    return expected
-
-
-@pytest.mark.cpu_test
-@pytest.mark.parametrize(
-    "layout, regions", [("BLHNC", 1), ("LBNHC", 4)], ids=["row", "per-layer"]
-)
-def test_staging_registers_like_the_device(layout, regions):
-    config, caches = plan_mla_caches(4, 128, 8, layout)
-    device = make_worker(config, caches, layout, _fake_nixl())
-    staging = _make(config, caches, layout, _fake_nixl(), staging=True)
-    try:
-        assert device.num_regions == staging.num_regions == regions
-        assert staging.region_mem_types == ["DRAM"] * regions
-        mirrored = {
-            b.untyped_storage().data_ptr() for b in staging.host_xfer_buffers.values()
+    specs = [
+        {
+            f"model.layers.{i}.self_attn.attn": (
+                SlidingWindowMLASpec(**common, sliding_window=BLOCK_SIZE)
+                if i % groups
+                else MLAAttentionSpec(**common)
+            )
+            for i in range(groups * NUM_LAYERS)
         }
-        assert len(mirrored) == (1 if layout == "BLHNC" else 4)
-        assert (staging._host_rows is not None) == (layout == "BLHNC")
+    ]
+    kv_groups = get_global_kv_cache_groups(config, specs)
+    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], kv_groups)
+    kv_cache_config.kv_cache_layout = layout
+    caches = allocate_kv_cache(
+        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
+    )
+    assert len(kv_cache_config.transfer_groups) == groups
+    return kv_cache_config, caches
+
+
+def _worker(layout: str, groups: int, staging: bool, nixl_cls: type):
+    """A registered pull worker; a staging one stages as a GPU platform does."""
+    kv_cache_config, caches = _plan(layout, groups)
+
+    def configure(config):
+        if staging:
+            config.kv_transfer_config.kv_buffer_device = "cpu"
+
+    with ExitStack() as stack:
+        if staging:
+            # A CPU platform never stages; stage as an accelerator platform does.
+            platform = bw.current_platform
+            stack.enter_context(
+                patch.object(platform, "discover_numa_topology", return_value=[])
+            )
+            stack.enter_context(patch.object(platform, "device_type", "cuda"))
+        worker = make_worker(
+            kv_cache_config, caches, layout, nixl_cls, configure=configure
+        )
+    if staging:
+        worker.set_host_xfer_buffer_ops(copy_kv_blocks)
+    return worker, kv_cache_config, caches
+
+
+@pytest.mark.cpu_test
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
+def test_staging_registers_like_the_device(layout, groups):
+    nixl_cls = require_nixl()
+    device, _, _ = _worker(layout, groups, False, nixl_cls)
+    staging, _, caches = _worker(layout, groups, True, nixl_cls)
+    try:
+        # BLHNC: one row region on both; LBNHC: a region per layer page on both.
+        assert staging.num_regions == device.num_regions
+        assert (staging.num_regions == 1) == (layout == "BLHNC")
+        # One host allocation, each layer at its device offset and strides.
+        hosts = staging.host_xfer_buffers
+        assert len({h.untyped_storage().data_ptr() for h in hosts.values()}) == 1
+        for name, cache in caches.items():
+            host = hosts[name]
+            assert host.device.type == "cpu"
+            assert (host.storage_offset(), host.stride(), host.shape) == (
+                cache.storage_offset(),
+                cache.stride(),
+                cache.shape,
+            )
+        # Zeroed like the device allocation: no uninitialized host byte.
+        assert nonzero_bytes(hosts) == 0
     finally:
         device.shutdown()
         staging.shutdown()
 
 
 @pytest.mark.cpu_test
-def test_rows_shared_by_groups_keep_per_layer_staging():
-    # MLA and sliding-window MLA groups share the rows: a 0.33.0 per-layer
-    # staging peer reads one region per layer, as stock staging registers.
-    config, caches = plan_mla_caches(4, 128, 8, "BLHNC", sliding_window=16)
-    worker = _make(config, caches, "BLHNC", _fake_nixl(), staging=True)
-    try:
-        assert worker._host_rows is None
-        assert worker.num_regions == 4
-    finally:
-        worker.shutdown()
-
-
-@pytest.mark.cpu_test
-def test_staging_copies_go_through_the_platform_op():
-    config, caches = plan_mla_caches(4, 128, 8, "BLHNC")
-    worker = _make(config, caches, "BLHNC", _fake_nixl(), staging=True)
-    try:
-        device = _flat(next(iter(caches.values())))
-        host = _flat(next(iter(worker.host_xfer_buffers.values())))
-        device.copy_(torch.randint(1, 255, device.shape, dtype=torch.uint8))
-        stride = next(iter(caches.values())).stride(0)
-        blocks = [[5, 1, 2]]
-
-        # d2h: whole rows of the blocks, in one call.
-        host.fill_(7)  # Stands for what torch.empty may hold.
-        worker._copy_host_blocks(blocks, "d2h")
-        assert worker.copy_blocks.call_count == 1
-        rows = device.view(-1, stride)
-        assert torch.equal(host.view(-1, stride)[[1, 2, 5]], rows[[1, 2, 5]])
-        assert (host.view(-1, stride)[[0, 3, 4, 6, 7]] == 7).all()
-
-        # h2d: the pages of the blocks, in one call.
-        host.copy_(torch.randint(1, 255, host.shape, dtype=torch.uint8))
-        (ids,) = blocks
-        expected = _with_pages(device, caches, ids, worker.host_xfer_buffers)
-        worker.copy_blocks.reset_mock()
-        worker._copy_host_blocks(blocks, "h2d")
-        assert worker.copy_blocks.call_count == 1
-        assert torch.equal(device, expected)
-    finally:
-        worker.shutdown()
-
-
-# Real NIXL (skipped without it): the NIXL CPU job runs the tests not marked
-# cpu_test.
-@pytest.mark.parametrize("staged", ["prefill", "decode", "both"])
-def test_mirrored_staging_reads_byte_exact(staged):
-    nixl = nixl_cls()
-    local, remote = [9, 8, 7, 3], [20, 19, 18, 30]
-    sides = []
-    try:
-        for role in ("prefill", "decode"):
-            config, caches = plan_mla_caches(4, 128, 40, "BLHNC")
-            (fill_allocations if role == "prefill" else zero_allocations)(caches)
-            stage = staged in (role, "both")
-            worker = _make(config, caches, "BLHNC", nixl, stage)
-            assert worker.num_regions == 1
-            sides.append((worker, caches))
-        (prefill, p_caches), (decode, d_caches) = sides
-        handshake(decode, prefill)
-        # Runs consecutive on both sides: [3], [7-9].
-        assert pull(decode, prefill, local, remote) == 2
-        assert_landed(d_caches, p_caches, list(p_caches), local, remote)
-    finally:
-        for worker, _ in sides:
-            worker.shutdown()
-
-
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize(
-    "prefill, decode",
-    [
-        (("LBNHC", False), ("BLHNC", True)),
-        (("BLHNC", True), ("LBNHC", False)),
-        (("BLHNC", True), ("LBNHC", True)),
-        (("LBNHC", True), ("BLHNC", True)),
-    ],
-    ids=["lbnhc-p", "lbnhc-d", "lbnhc-staging-d", "lbnhc-staging-p"],
+    "p_staging,d_staging", [(True, False), (False, True), (True, True)]
 )
-def test_mirrored_staging_pairs_with_per_layer_peers(prefill, decode):
-    # The peer registers one region per layer: LBNHC, on the device or staged
-    # per layer as 0.33.0 stages every layout.
-    nixl = nixl_cls()
-    local, remote = [9, 8, 7, 3], [20, 19, 18, 30]
-    sides = []
+def test_staged_rows_read_byte_exact(p_staging, d_staging, groups):
+    nixl_cls = require_nixl()
+    prefill, _, p_caches = _worker("BLHNC", groups, p_staging, nixl_cls)
+    decode, d_config, d_caches = _worker("BLHNC", groups, d_staging, nixl_cls)
     try:
-        for role, (layout, staged) in (("prefill", prefill), ("decode", decode)):
-            config, caches = plan_mla_caches(4, 128, 40, layout)
-            (fill_allocations if role == "prefill" else zero_allocations)(caches)
-            worker = _make(config, caches, layout, nixl, staged)
-            assert worker.num_regions == (1 if layout == "BLHNC" else 4)
-            sides.append((worker, caches))
-        (prefill_worker, p_caches), (decode_worker, d_caches) = sides
-        handshake(decode_worker, prefill_worker)
-        pull(decode_worker, prefill_worker, local, remote)
-        assert_landed(d_caches, p_caches, list(p_caches), local, remote)
+        fill_allocations(p_caches)
+        zero_allocations(d_caches)
+        validate = bw.NixlBaseConnectorWorker._validate_remote_agent_handshake
+        with patch.object(
+            bw.NixlBaseConnectorWorker,
+            "_validate_remote_agent_handshake",
+            autospec=True,
+            side_effect=validate,
+        ) as validated:
+            handshake(decode, prefill)
+        assert validated.call_count == 1
+        local, remote = ONE_GROUP if groups == 1 else TWO_GROUPS
+        descriptors = pull_groups(decode, prefill, local, remote)
+        written = 0
+        for group, dst, src in zip(d_config.transfer_groups, local, remote):
+            for name in group.layer_names:
+                got = d_caches[name][dst]
+                assert torch.equal(got, p_caches[name][src]), name
+                written += got.nbytes
+        # The prefiller's bytes are never zero: any other one is a stray write.
+        assert nonzero_bytes(d_caches) == written
+        # Whole rows, as between device rows: a descriptor per run of blocks
+        # (two runs of one group, or one run per group).
+        assert descriptors == 2
     finally:
-        for worker, _ in sides:
-            worker.shutdown()
+        decode.shutdown()
+        prefill.shutdown()

@@ -95,17 +95,36 @@ def test_row_and_layer_regions_read_each_other(p_layout, d_layout):
 
 
 @pytest.mark.cpu_test
-def test_rows_packed_otherwise_are_refused():
-    """Two sides whose rows hold the pages at other offsets still refuse."""
+def test_rows_packed_otherwise_read_page_by_page():
+    """Rows holding the layers in another order read page by page; rows of
+    another page size are still refused."""
     nixl_cls = require_nixl()
     p_config, p_caches = plan_mla_caches(NUM_LAYERS, PAGE_BYTES, NUM_BLOCKS, "BLHNC")
+    d_config, d_caches = plan_mla_caches(NUM_LAYERS, PAGE_BYTES, NUM_BLOCKS, "BLHNC")
+    # The decoder's row holds the layers in reverse order.
+    names = list(d_caches)
+    d_caches = dict(zip(names, reversed(list(d_caches.values()))))
+    prefill = make_worker(p_config, p_caches, "BLHNC", nixl_cls)
+    decode = make_worker(d_config, d_caches, "BLHNC", nixl_cls)
+    try:
+        assert decode._packed_member_layouts != prefill._packed_member_layouts
+        fill_allocations(p_caches)
+        zero_allocations(d_caches)
+        handshake(decode, prefill)
+        descriptors = pull(decode, prefill, LOCAL_BLOCKS, REMOTE_BLOCKS)
+        assert_landed(d_caches, p_caches, names, LOCAL_BLOCKS, REMOTE_BLOCKS)
+        # A layer page inside a row is strided: one per layer and block.
+        assert descriptors == NUM_LAYERS * len(LOCAL_BLOCKS)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
     d_config, d_caches = plan_mla_caches(
         NUM_LAYERS, 2 * PAGE_BYTES, NUM_BLOCKS, "BLHNC"
     )
     prefill = make_worker(p_config, p_caches, "BLHNC", nixl_cls)
     decode = make_worker(d_config, d_caches, "BLHNC", nixl_cls)
     try:
-        with pytest.raises(RuntimeError, match="Packed KV block rows differ"):
+        with pytest.raises(AssertionError, match="KV cache sizes must match"):
             handshake(decode, prefill)
     finally:
         decode.shutdown()
