@@ -90,7 +90,8 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
     layout = zoo.build_zoo_layout(
         base,
         num_blocks=NUM_BLOCKS,
-        num_layers=layers,
+        # DeepSeek-V4 families keep their own layer count (the main job's).
+        num_layers=None if base.startswith("dsv4") else layers,
         permute_seed=1 if f"@{tag}" == PERMUTED else None,
     )
     worker = zoo.make_zoo_worker(
