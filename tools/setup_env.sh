@@ -69,6 +69,11 @@ TEST_PKGS=(
   # what tools/cpu_ext.py builds the CPU extension with (the release's
   # requirements/build/cpu.txt range).
   compressed-tensors loguru "cmake>=3.26.1,<4" ninja
+  # The served P/D suite (checks/served): what `vllm serve` imports on top
+  # (the release's requirements/common.txt ranges) and vLLM's toy proxy
+  # (httpx, uvicorn).
+  uvicorn httpx prometheus-fastapi-instrumentator orjson watchfiles
+  model-hosting-container-standards
   ruff==0.14.0 mypy==1.20.2 typos types-cachetools types-setuptools
   types-PyYAML types-requests
 )
