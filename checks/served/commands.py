@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The command lines of the served P/D suite, as a user would type them.
+
+One builder for the suite (``checks/served/suite.py``) and for README's
+"Run P/D with the series" section: ``python -m checks.served.commands``
+prints the README's CPU block, and ``checks/served/test_readme.py`` checks
+that README holds exactly that block. Pure: imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from checks.e2e.models import TinyModel
+
+# NIXL's role per P/D side (0.34.0 logs that ``kv_both`` is deprecated).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+MAX_MODEL_LEN = 2048
+# A pool a little larger than one request of max_model_len, per KV cache
+# group (as checks/e2e does): freed blocks are handed out again soon.
+SPARE_BLOCKS = 16
+# What the pool is carved from. Without an explicit size, 0.34.0 on CPU
+# reserves a share of the node's RAM per server and refuses to start when
+# another server already holds it.
+KV_CACHE_BYTES = 256 << 20
+TOY_PROXY = "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
+SITE = "tools/test_site"
+PYTHON = ".venv/bin/python"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One process: environment on top of the caller's, then argv."""
+
+    env: dict[str, str]
+    argv: list[str]
+
+    def shell(self) -> str:
+        """The command as one shell line per flag (README's form)."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        head = [" ".join(env[i : i + 3]) for i in range(0, len(env), 3)]
+        first = next(
+            (i for i, w in enumerate(self.argv) if w.startswith("--")), len(self.argv)
+        )
+        words = [" ".join(_quote(w) for w in self.argv[:first])]
+        rest = self.argv[first:]
+        for w in rest:
+            if w.startswith("--"):
+                words.append(w)
+            else:
+                words[-1] += " " + _quote(w)
+        argv_lines = words
+        lines = head + argv_lines
+        return " \\\n  ".join(lines)
+
+
+def _quote(word: str) -> str:
+    if word.startswith("$"):  # a README placeholder, left to the shell
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
+def kv_transfer_config(role: str) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": KV_ROLES[role],
+            "kv_buffer_device": "cpu",
+        },
+        separators=(",", ":"),
+    )
+
+
+def num_blocks(model: TinyModel) -> int:
+    return model.kv_groups * MAX_MODEL_LEN // model.block_size + SPARE_BLOCKS
+
+
+def serve(
+    model: TinyModel,
+    model_path: str,
+    role: str,
+    tree: str,
+    port: int | str,
+    side_channel_port: int | str,
+    site: str = SITE,
+    python: str = PYTHON,
+) -> Command:
+    """``vllm serve`` for one side of a P/D pair, on the CPU platform.
+
+    ``tree`` is the vLLM that runs (``build/vllm``: the series;
+    ``build/stock``: stock 0.34.0), first on ``PYTHONPATH``; ``site`` is the
+    test site that lifts 0.34.0's x86 Triton gate (``tools/test_site``).
+    """
+    env = {
+        "PYTHONPATH": f"{tree}:{site}",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "FORK_CPU_RUNNER": "standalone",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+    }
+    argv = [
+        python, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--skip-tokenizer-init",
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--seed", "0",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", "8",
+        "--attention-backend", model.backend,
+        "--block-size", str(model.block_size),
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--num-gpu-blocks-override", str(num_blocks(model)),
+        "--kv-transfer-config", kv_transfer_config(role),
+    ]  # fmt: skip
+    return Command(env, argv)
+
+
+def proxy(
+    port: int | str,
+    prefill_port: int | str,
+    decode_port: int | str,
+    tree: str = "build/vllm",
+    python: str = PYTHON,
+) -> Command:
+    """vLLM's toy proxy (a test proxy) in front of one prefiller and one decoder."""
+    argv = [
+        python, f"{tree}/{TOY_PROXY}",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--prefiller-hosts", "127.0.0.1",
+        "--prefiller-ports", str(prefill_port),
+        "--decoder-hosts", "127.0.0.1",
+        "--decoder-ports", str(decode_port),
+    ]  # fmt: skip
+    return Command({}, argv)
+
+
+def completion_request(
+    model_path: str, prompt: Sequence[int] | Sequence[Sequence[int]], max_tokens: int
+) -> dict[str, object]:
+    """An OpenAI /v1/completions body with token-id prompts, greedy.
+
+    ``return_token_ids`` makes vLLM return the generated token ids (the tiny
+    models have no tokenizer, so there is no text to compare).
+    """
+    return {
+        "model": model_path,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+# README's CPU example: fixed ports, the model path in a shell variable.
+README_PORTS = {"prefill": (8100, 5600), "decode": (8200, 5601), "proxy": 8000}
+
+
+def readme_block() -> str:
+    """README's CPU commands: a series P, a series D, the toy proxy, a request."""
+    from checks.e2e.models import LLAMA
+
+    lines = [
+        "MODEL=$(.venv/bin/python -m checks.e2e.models | grep llama-gqa)",
+        "",
+        "# prefiller (P)",
+        serve(
+            LLAMA, "$MODEL", "prefill", "build/vllm", *README_PORTS["prefill"]
+        ).shell()
+        + " &",  # fmt: skip
+        "",
+        "# decoder (D)",
+        serve(LLAMA, "$MODEL", "decode", "build/vllm", *README_PORTS["decode"]).shell()
+        + " &",  # fmt: skip
+        "",
+        "# the toy proxy (a test proxy): P first, then D",
+        proxy(
+            README_PORTS["proxy"], README_PORTS["prefill"][0], README_PORTS["decode"][0]
+        ).shell()
+        + " &",  # fmt: skip
+        "",
+        "# a client: token-id prompt, greedy",
+        f"curl -s 127.0.0.1:{README_PORTS['proxy']}/v1/completions "
+        "-H 'Content-Type: application/json' \\",
+        '  -d \'{"model": "\'"$MODEL"\'", "prompt": [5, 6, 7, 8, 9, 10], '
+        '"max_tokens": 8, "temperature": 0, "ignore_eos": true, '
+        '"return_token_ids": true}\'',
+        "",
+        "# the decoder's NIXL metrics",
+        f"curl -s 127.0.0.1:{README_PORTS['decode'][0]}/metrics | grep '^vllm:nixl_'",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(readme_block())

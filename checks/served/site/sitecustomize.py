@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The served suite's per-READ log, in every process of a served vLLM.
+
+On ``PYTHONPATH`` of the suite's servers only, in place of
+``tools/test_site`` (whose ``sitecustomize.py`` this file runs first, so the
+servers start as README's commands do). When ``SERVED_READS_DIR`` is set,
+each NIXL transfer the worker records (``NixlKVConnectorStats
+.record_transfer``: the decoder's READs) is appended as one JSON line to
+``$SERVED_READS_DIR/reads-<pid>.jsonl``: NIXL's own telemetry of that READ
+(``descCount``, bytes, post and transfer time), the figures ``/metrics``
+only has in coarse histogram buckets. vLLM itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+_TEST_SITE = Path(__file__).resolve().parents[3] / "tools" / "test_site"
+exec(  # noqa: S102 - the project's own test site, run as its sitecustomize
+    compile(
+        (_TEST_SITE / "sitecustomize.py").read_text(encoding="utf-8"),
+        str(_TEST_SITE / "sitecustomize.py"),
+        "exec",
+    )
+)
+
+STATS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
+
+
+def _hook(module: ModuleType, out_dir: str) -> None:
+    cls = module.NixlKVConnectorStats
+    original = cls.record_transfer
+
+    def record_transfer(self, res):  # type: ignore[no-untyped-def]
+        if res is not None:
+            row = {
+                "time": time.time(),
+                "descriptors": int(res.descCount),
+                "bytes": int(res.totalBytes),
+                "post_ms": res.postDuration / 1e3,
+                "transfer_ms": res.xferDuration / 1e3,
+            }
+            path = os.path.join(out_dir, f"reads-{os.getpid()}.jsonl")
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        return original(self, res)
+
+    cls.record_transfer = record_transfer
+
+
+class _ReadsFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+        out_dir = os.environ.get("SERVED_READS_DIR")
+        if name != STATS_MODULE or not out_dir:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _hook(module, out_dir)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+sys.meta_path.insert(0, _ReadsFinder())

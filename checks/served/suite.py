@@ -1,0 +1,632 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P/D as users run it: two ``vllm serve`` processes, the proxy, an HTTP client.
+
+Each server is ``python -m vllm.entrypoints.cli.main serve`` (what ``vllm
+serve`` runs) of one tree, the stock release (``build/stock``) or the series
+(``build/vllm``), with multiprocessing on (API server, engine core and worker
+processes) and the command lines of ``checks/served/commands.py``, which
+README's "Run P/D with the series" shows. vLLM's toy proxy
+(``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` of the
+series tree) sits in front of each P/D pair; the client is plain HTTP
+(``urllib``) on ``/v1/completions`` with token-id prompts.
+
+Per model (``checks/e2e/models.py``: the tiny Llama with all four pairings
+P x D in {stock, series}^2, the MLA model and the hybrid stock + stock and
+series + series):
+
+1. every server gets the same batch of plain requests first (so stock and
+   series serve the pairings after the same history); for a model whose
+   single engine is its oracle (``TinyModel.oracle``, the e2e suite's rule)
+   each prompt goes whole to the stock prefiller, a single engine for a
+   request without ``kv_transfer_params``;
+2. per pairing, a first request through the proxy makes the NIXL handshake
+   (retried: stock gives up a handshake after 5 s, which a loaded 2-core
+   machine can exceed), then each prompt of ``checks.e2e.driver.prompts``;
+   the decoder's ``/metrics`` is polled (bounded) until it counts one NIXL
+   transfer per P/D request that succeeded; the per-READ log
+   (``checks/served/site``) gives each READ's descriptors and post time.
+3. a negative control on the series Llama pair: the client, doing the
+   proxy's two steps itself, points the decoder at another prompt's blocks,
+   which must change the tokens;
+4. faults (``run_faults``), each with the client-visible outcome written
+   down before it is checked.
+
+Every server and proxy runs in its own process group; all are stopped at the
+end, also when a check fails. ``python -m checks.served.suite --json PATH``
+runs everything; ``checks/served/test_served.py`` asserts on the result and
+``python -m checks.served.report`` renders the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from checks.e2e.driver import other_prompt, prompts
+from checks.e2e.models import DEEPSEEK_V2, LLAMA, LLAMA_HYBRID, TinyModel, make
+from checks.served import commands
+
+ROOT = Path(__file__).resolve().parents[2]
+TREES = {
+    "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
+    "series": Path(os.environ.get("SERIES_TREE", ROOT / "build" / "vllm")),
+}
+OUT_DIR = ROOT / "build" / "served"
+SITE = Path(__file__).resolve().parent / "site"
+MAX_TOKENS = 16
+START_TIMEOUT = 420.0  # eight servers starting at once on 2 cores
+REQUEST_TIMEOUT = 120.0
+# A READ from a dead prefiller must end well before this: longer is a hang.
+FAULT_TIMEOUT = 90.0
+METRICS_TIMEOUT = 30.0
+HANDSHAKE_TRIES = 3
+# P holds a finished request's blocks for the lease (NixlConnector's
+# kv_lease_duration, 30 s by default), then frees them and counts it.
+LEASE_TIMEOUT = 120.0
+
+# The models and the pairings each serves: the Llama all four (mixed pairs
+# both ways), the others stock + stock and series + series.
+SAME = [("stock", "stock"), ("series", "series")]
+MIXED = [("stock", "series"), ("series", "stock")]
+PLAN: list[tuple[TinyModel, list[tuple[str, str]]]] = [
+    (LLAMA, SAME + MIXED),
+    (DEEPSEEK_V2, SAME),
+    (LLAMA_HYBRID, SAME),
+]
+
+# What the client sees (``Outcome.kind``).
+COMPLETION = "completion"  # 200 with a completion body
+HTTP_ERROR = "http-error"  # an HTTP error status
+BROKEN = "broken"  # 200, then a body cut short or not a completion
+TIMEOUT = "timeout"  # no answer within the bounded wait
+
+
+class ServedError(RuntimeError):
+    pass
+
+
+_USED_PORTS: set[int] = set()
+
+
+def free_port() -> int:
+    """A port nobody listens on, below Linux's ephemeral range (32768-60999).
+
+    A port picked from the ephemeral range and released can be taken by any
+    outgoing connection (UCX, ZMQ, HTTP) before the server binds it.
+    """
+    base = 20000 + 97 * (os.getpid() % 100)
+    for port in range(base, 32768):
+        if port in _USED_PORTS:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _USED_PORTS.add(port)
+        return port
+    raise ServedError("no free port below 32768")
+
+
+def _group_alive(pgid: int) -> bool:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+class Process:
+    """One server or proxy, in a process group of its own, logging to a file."""
+
+    def __init__(self, name: str, cmd: commands.Command, port: int,
+                 extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.port = port
+        self.cmd = cmd
+        (OUT_DIR / "logs").mkdir(parents=True, exist_ok=True)
+        self.log_path = OUT_DIR / "logs" / f"{name}.log"
+        env = dict(os.environ)
+        env.pop("VLLM_KV_CACHE_LAYOUT", None)
+        env.pop("PYTHONPATH", None)
+        env.update(cmd.env)
+        env.update(extra_env or {})
+        env["PYTHONUNBUFFERED"] = "1"
+        env["SERVED_RUN"] = str(OUT_DIR)  # marks the suite's processes
+        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115
+        self._log.write(f"$ {cmd.shell()}\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            cmd.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.ready_seconds: float | None = None
+        self._begin = time.monotonic()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline: float, path: str = "/health") -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise ServedError(
+                    f"{self.name}: exited (rc {self.proc.returncode}) while "
+                    f"starting; log {self.log_path}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                    if r.status == 200:
+                        self.ready_seconds = time.monotonic() - self._begin
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServedError(
+                    f"{self.name}: not ready within {START_TIMEOUT:.0f} s; "
+                    f"log {self.log_path}"
+                )
+            time.sleep(1.0)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (API server, engine, worker)."""
+        if _group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, then SIGKILL to whatever is left."""
+        if self._log.closed:
+            return
+        pgid = self.proc.pid
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                self.proc.poll()
+                time.sleep(0.2)
+            if _group_alive(pgid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+class Server(Process):
+    """``vllm serve`` of one tree and role, with its per-READ log directory."""
+
+    def __init__(self, model: TinyModel, role: str, tree_name: str) -> None:
+        port, side = free_port(), free_port()
+        name = f"{model.name}-{role}-{tree_name}"
+        self.reads_dir = OUT_DIR / "reads" / name
+        self.reads_dir.mkdir(parents=True, exist_ok=True)
+        for old in self.reads_dir.glob("*.jsonl"):
+            old.unlink()
+        cmd = commands.serve(
+            model, str(make(model)), role, str(TREES[tree_name]), port, side,
+            site=str(SITE), python=sys.executable,
+        )  # fmt: skip
+        super().__init__(name, cmd, port, {"SERVED_READS_DIR": str(self.reads_dir)})
+        self.model_path = str(make(model))
+        self.tree = tree_name
+        self.role = role
+
+    def reads(self) -> list[dict[str, Any]]:
+        rows = []
+        for path in sorted(self.reads_dir.glob("reads-*.jsonl")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    rows.append(json.loads(line))
+        return sorted(rows, key=lambda r: r["time"])
+
+    def metrics(self) -> dict[str, float]:
+        """The NIXL series of ``/metrics``, summed over their label sets."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith("vllm:nixl_"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if "_bucket" in name or name.endswith("_created"):
+                continue
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+class Proxy(Process):
+    def __init__(self, p: Server, d: Server) -> None:
+        port = free_port()
+        cmd = commands.proxy(port, p.port, d.port, str(TREES["series"]),
+                             python=sys.executable)  # fmt: skip
+        super().__init__(f"proxy-{p.name}-to-{d.tree}-D", cmd, port)
+        self.p, self.d = p, d
+
+
+def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One completion request; what the client sees, never raising.
+
+    ``timeout`` bounds the whole wait (connect, then each read), so a proxy
+    that streams nothing cannot hang the client.
+    """
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
+    begin = time.monotonic()
+    out: dict[str, Any] = {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status = r.status
+            raw = r.read()
+        out["status"] = status
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            out.update(kind=BROKEN, body=raw[:200].decode(errors="replace"))
+        else:
+            if isinstance(payload, dict) and payload.get("choices"):
+                out.update(kind=COMPLETION, payload=payload)
+            else:
+                out.update(kind=BROKEN, body=str(payload)[:200])
+    except urllib.error.HTTPError as e:
+        out.update(kind=HTTP_ERROR, status=e.code,
+                   body=e.read()[:300].decode(errors="replace"))  # fmt: skip
+    except TimeoutError:
+        out.update(kind=TIMEOUT)
+    except (OSError, urllib.error.URLError) as e:
+        reason = getattr(e, "reason", e)
+        kind = TIMEOUT if isinstance(reason, TimeoutError) else BROKEN
+        out.update(kind=kind, body=f"{type(e).__name__}: {e}"[:200])
+    except Exception as e:  # http.client.IncompleteRead and friends
+        out.update(kind=BROKEN, body=f"{type(e).__name__}: {e}"[:200])
+    out["seconds"] = round(time.monotonic() - begin, 2)
+    return out
+
+
+def tokens_of(res: dict[str, Any]) -> list[list[int]] | None:
+    if res["kind"] != COMPLETION:
+        return None
+    choices = sorted(res["payload"]["choices"], key=lambda c: c["index"])
+    return [c["token_ids"] for c in choices]
+
+
+def complete(url: str, model_path: str, prompt: list[int] | list[list[int]],
+             max_tokens: int, what: str, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    body = commands.completion_request(model_path, prompt, max_tokens)
+    body.update(extra)
+    res = post(url, body, REQUEST_TIMEOUT)
+    if res["kind"] != COMPLETION:
+        raise ServedError(f"{what}: {res}")
+    return res
+
+
+def wait_reads(d: Server, key: str, expected: float,
+               timeout: float = METRICS_TIMEOUT) -> dict[str, float]:  # fmt: skip
+    """Poll the decoder's ``/metrics`` until ``key`` reaches ``expected``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = d.metrics()
+        if m.get(key, 0.0) >= expected or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+COUNT = "vllm:nixl_num_descriptors_count"
+DESC_SUM = "vllm:nixl_num_descriptors_sum"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+
+
+class Fleet:
+    """Every process started, stopped at the end whatever happens."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self.stack = stack
+        self.procs: list[Process] = []
+
+    def add(self, proc: Process) -> Process:
+        self.procs.append(proc)
+        self.stack.callback(proc.stop)
+        return proc
+
+
+@contextmanager
+def fleet() -> Iterator[Fleet]:
+    with ExitStack() as stack:
+        yield Fleet(stack)
+
+
+Servers = dict[tuple[str, str], Server]
+
+
+def start_model(
+    f: Fleet, model: TinyModel, pairings: list[tuple[str, str]]
+) -> tuple[Servers, dict[tuple[str, str], Proxy]]:
+    trees = sorted({t for pair in pairings for t in pair})
+    servers = {
+        (role, tree): f.add(Server(model, role, tree))
+        for tree in trees
+        for role in ("prefill", "decode")
+    }
+    proxies = {
+        (pt, dt): f.add(Proxy(servers["prefill", pt], servers["decode", dt]))
+        for pt, dt in pairings
+    }
+    return servers, proxies  # type: ignore[return-value]
+
+
+def wait_all(procs: list[Process]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    for proc in procs:
+        path = "/healthcheck" if isinstance(proc, Proxy) else "/health"
+        proc.wait_ready(deadline, path)
+
+
+def churn_batch() -> list[list[int]]:
+    from checks.e2e.driver import churn_prompts
+
+    return churn_prompts()
+
+
+def run_model(model: TinyModel, servers: dict[tuple[str, str], Server],
+              proxies: dict[tuple[str, str], Proxy]) -> dict[str, Any]:  # fmt: skip
+    """History, oracle, the pairings (and the Llama's negative control)."""
+    ps = prompts()
+    path = str(make(model))
+    result: dict[str, Any] = {
+        "model": model.name, "backend": model.backend, "oracle": model.oracle,
+        "oracle_reason": model.oracle_reason, "pairings": [],
+        "start_seconds": {s.name: s.ready_seconds for s in servers.values()},
+    }  # fmt: skip
+    # The same history on every server: one batch of plain requests.
+    for s in servers.values():
+        complete(s.url, path, churn_batch(), 8, f"{s.name} churn")
+    oracle: dict[str, list[int]] = {}
+    if model.oracle == "single":
+        single: dict[str, dict[str, list[int]]] = {}
+        for tree in ("stock", "series"):
+            p = servers.get(("prefill", tree))
+            if p is None:
+                continue
+            single[tree] = {
+                name: tokens_of(complete(p.url, path, prompt, MAX_TOKENS,
+                                         f"{p.name} single {name}"))[0]  # type: ignore[index]
+                for name, prompt in ps.items()
+            }  # fmt: skip
+        oracle = dict(single["stock"])
+        result["single"] = single
+    for (pt, dt), proxy in proxies.items():
+        d = proxy.d
+        pairing: dict[str, Any] = {"prefill": pt, "decode": dt, "prompts": {}}
+        sent_ok = d.metrics().get(COUNT, 0.0)
+        tries = 0
+        while tries < HANDSHAKE_TRIES:
+            tries += 1
+            res = post(proxy.url, commands.completion_request(path, [7] * 40, 1),
+                       REQUEST_TIMEOUT)  # fmt: skip
+            if res["kind"] == COMPLETION:
+                sent_ok += 1
+                break
+        else:
+            raise ServedError(f"{proxy.name}: no handshake in {tries} tries: {res}")
+        pairing["handshake_tries"] = tries
+        before = wait_reads(d, COUNT, sent_ok)
+        reads_before = len(d.reads())
+        for name, prompt in ps.items():
+            n_reads = len(d.reads())
+            res = post(proxy.url, commands.completion_request(path, prompt, MAX_TOKENS),
+                       REQUEST_TIMEOUT)  # fmt: skip
+            toks = tokens_of(res)
+            if toks is None:
+                raise ServedError(f"{proxy.name} {name}: {res}")
+            if model.oracle == "stock-pd" and (pt, dt) == ("stock", "stock"):
+                oracle[name] = toks[0]
+            pairing["prompts"][name] = {
+                "tokens": toks[0], "equal": toks[0] == oracle[name],
+                "prompt_tokens": len(prompt), "seconds": res["seconds"],
+                "reads": d.reads()[n_reads:],
+            }  # fmt: skip
+        after = wait_reads(d, COUNT, before.get(COUNT, 0.0) + len(ps))
+        pairing["requests"] = len(ps)
+        pairing["metrics_reads"] = after.get(COUNT, 0.0) - before.get(COUNT, 0.0)
+        pairing["metrics_descriptors"] = after.get(DESC_SUM, 0.0) - before.get(
+            DESC_SUM, 0.0
+        )
+        pairing["hook_reads"] = d.reads()[reads_before:]
+        result["pairings"].append(pairing)
+    result["oracle_tokens"] = oracle
+    if ("prefill", "series") in servers and model is LLAMA:
+        result["negative_control"] = negative_control(
+            servers["prefill", "series"], servers["decode", "series"], path, oracle
+        )
+    return result
+
+
+def prefill_only(p: Server, prompt: list[int], what: str) -> dict[str, Any]:
+    """The proxy's first step, done by the client: P computes, keeps the KV."""
+    res = complete(p.url, p.model_path, prompt, 1, what,
+                   kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    params = res["payload"].get("kv_transfer_params")
+    if not params or not params.get("remote_block_ids"):
+        raise ServedError(f"{p.name} {what}: no kv_transfer_params: {res}")
+    return dict(params)
+
+
+def negative_control(p: Server, d: Server, path: str,
+                     oracle: dict[str, list[int]]) -> dict[str, Any]:  # fmt: skip
+    """D pointed at another prompt's blocks must give other tokens."""
+    medium = prompts()["medium"]
+    params = prefill_only(p, medium, "negative control: medium")
+    other = prefill_only(p, other_prompt(len(medium)), "negative control: other")
+    wrong = dict(params, remote_block_ids=other["remote_block_ids"])
+    n = len(d.reads())
+    res = complete(d.url, path, medium, MAX_TOKENS, "negative control decode",
+                   kv_transfer_params=wrong)  # fmt: skip
+    toks = tokens_of(res)[0]  # type: ignore[index]
+    return {"tokens": toks, "differs": toks != oracle["medium"],
+            "reads": len(d.reads()[n:])}  # fmt: skip
+
+
+# The faults, each with what the client must see, written before the check.
+FAULTS = {
+    "prefill-killed-before-read": {
+        "setup": "the client does the proxy's two steps itself: the stock "
+        "prefiller computes the long prompt (do_remote_decode), its process "
+        "group is killed, then the series decoder gets the request with P's "
+        "kv_transfer_params",
+        "expected": "the decoder answers HTTP 500 within the bounded wait "
+        "(kv_load_failure_policy 'fail', 0.34.0's default: the READ from "
+        "the dead prefiller fails and the request fails, no partial "
+        "completion), and then serves the next P/D request (series P) with "
+        "the oracle's tokens",
+    },
+    "decode-killed": {
+        "setup": "the stock decoder's process group is killed, then the "
+        "client sends the long prompt to the proxy of series P -> stock D",
+        "expected": "the client gets no completion within the bounded wait: "
+        "the toy proxy has already started its streamed 200 when it fails "
+        "to reach the decoder, so the client sees a 200 with an empty or "
+        "cut-off body, or a dropped connection (toy-proxy behaviour); the "
+        "prefiller frees the request's blocks when their lease runs out "
+        "and vllm:nixl_num_kv_expired_reqs on its /metrics rises by one",
+    },
+}
+
+
+def fault_prefill_killed(servers: dict[tuple[str, str], Server], proxies: dict,
+                         oracle: list[int]) -> dict[str, Any]:  # fmt: skip
+    p, d = servers["prefill", "stock"], servers["decode", "series"]
+    prompt = prompts()["long"]
+    params = prefill_only(p, prompt, "fault: long")
+    p.kill()
+    body = commands.completion_request(d.model_path, prompt, MAX_TOKENS)
+    body["kv_transfer_params"] = params
+    res = post(d.url, body, FAULT_TIMEOUT)
+    after = post(proxies["series", "series"].url,
+                 commands.completion_request(d.model_path, prompt, MAX_TOKENS),
+                 REQUEST_TIMEOUT)  # fmt: skip
+    after_tokens = tokens_of(after)
+    return dict(
+        FAULTS["prefill-killed-before-read"], case="prefill-killed-before-read",
+        prefill="stock", decode="series",
+        seen={k: res.get(k) for k in ("kind", "status", "body", "seconds")},
+        ok=res["kind"] == HTTP_ERROR and res.get("status") == 500
+        and after_tokens is not None and after_tokens[0] == oracle,
+        next_request_equal=after_tokens is not None and after_tokens[0] == oracle,
+    )  # fmt: skip
+
+
+def fault_decode_killed_start(servers: dict[tuple[str, str], Server],
+                              proxies: dict) -> dict[str, Any]:  # fmt: skip
+    p, d = servers["prefill", "series"], servers["decode", "stock"]
+    expired_before = p.metrics().get(EXPIRED, 0.0)
+    d.kill()
+    prompt = prompts()["long"]
+    res = post(proxies["series", "stock"].url,
+               commands.completion_request(p.model_path, prompt, MAX_TOKENS),
+               FAULT_TIMEOUT)  # fmt: skip
+    return dict(
+        FAULTS["decode-killed"], case="decode-killed", prefill="series",
+        decode="stock", expired_before=expired_before, killed_at=time.monotonic(),
+        seen={k: res.get(k) for k in ("kind", "status", "body", "seconds")},
+    )  # fmt: skip
+
+
+def fault_decode_killed_finish(p: Server, case: dict[str, Any]) -> dict[str, Any]:
+    """Poll P's expired count (a plain request now and then makes P step)."""
+    deadline = time.monotonic() + LEASE_TIMEOUT
+    expired = case["expired_before"]
+    while time.monotonic() < deadline:
+        expired = p.metrics().get(EXPIRED, 0.0)
+        if expired > case["expired_before"]:
+            break
+        complete(p.url, p.model_path, [9] * 8, 1, "poke the prefiller")
+        time.sleep(2.0)
+    case["expired_after"] = expired
+    case["expired_seconds"] = round(time.monotonic() - case.pop("killed_at"), 1)
+    case["ok"] = case["seen"]["kind"] != COMPLETION and expired == (
+        case["expired_before"] + 1
+    )
+    return case
+
+
+def run_all() -> dict[str, Any]:
+    """The models one after another (four servers at a time, ~1.6 GB each).
+
+    The decoder-killed fault waits for the prefiller's lease while the next
+    model's servers start. Every process is stopped when its model is done,
+    and all of them (again: ``stop`` is idempotent) when the run ends.
+    """
+    begin = time.monotonic()
+    for tree in TREES.values():
+        if not list((tree / "vllm").glob("_C*.so")):
+            raise ServedError(f"{tree}: no vllm/_C*.so (tools/cpu_ext.py install)")
+    out: dict[str, Any] = {"models": [], "faults": [], "phases": {}}
+
+    def timed(what: str, fn: Any, *args: Any) -> Any:
+        t = time.monotonic()
+        value = fn(*args)
+        out["phases"][what] = round(time.monotonic() - t, 1)
+        return value
+
+    def start(f: Fleet, model: TinyModel, pairs: list[tuple[str, str]]) -> Any:
+        servers, proxies = start_model(f, model, pairs)
+        wait_all(list(servers.values()) + list(proxies.values()))
+        return servers, proxies
+
+    pending: dict[str, Any] | None = None
+    holder: Server | None = None
+    with fleet() as f:
+        for i, (model, pairs) in enumerate(PLAN):
+            servers, proxies = timed(f"start {model.name}", start, f, model, pairs)
+            if pending is not None and holder is not None:
+                out["faults"].append(fault_decode_killed_finish(holder, pending))
+                holder.stop()
+            res = timed(f"requests {model.name}", run_model, model, servers, proxies)
+            out["models"].append(res)
+            keep: set[Process] = set()
+            if i == 0:
+                oracle = res["oracle_tokens"]["long"]
+                out["faults"].append(fault_prefill_killed(servers, proxies, oracle))
+                pending = fault_decode_killed_start(servers, proxies)
+                # P keeps running (its lease runs out meanwhile).
+                holder = servers["prefill", "series"]
+                keep.add(holder)
+            for proc in [*servers.values(), *proxies.values()]:
+                if proc not in keep:
+                    proc.stop()
+    return dict(out, seconds=round(time.monotonic() - begin, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=OUT_DIR / "served.json")
+    args = parser.parse_args(argv)
+    result = run_all()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"served: wrote {args.json} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P/D served as users run it: ``vllm serve`` x 2, the toy proxy, HTTP.
+
+Runs ``checks/served/suite.py`` once (servers of the stock release and of the
+series, each in its own process group) and asserts on what it returns:
+
+* every pairing's completions through the proxy equal the model's oracle
+  (the e2e suite's rule: the single engine, or stock P + stock D for MLA);
+* the decoder's ``/metrics`` counts one NIXL transfer per P/D request, and
+  the per-READ log saw the same READs;
+* the series' ``vllm:nixl_num_descriptors`` sum is no more than stock's on
+  the same requests;
+* a mixed pair (stock P + series D and the reverse) serves the oracle;
+* a decoder pointed at another prompt's blocks gives other tokens;
+* the faults end as written down before the run (``suite.FAULTS``).
+
+Results: ``build/served/served.json``; ``python -m checks.served.report``
+renders the page ``project-docs/served.md`` from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checks.served import suite
+
+OUT = suite.OUT_DIR / "served.json"
+SERVING_MODULES = ("uvicorn", "httpx", "fastapi", "prometheus_fastapi_instrumentator")
+
+
+def _missing() -> list[str]:
+    """The hard prerequisites that are absent (the suite skips, naming them)."""
+    missing = [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+    for name, tree in suite.TREES.items():
+        if not list((tree / "vllm").glob("_C*.so")):
+            missing.append(f"{name} tree's CPU extension ({tree}/vllm/_C*.so)")
+    proxy = suite.TREES["series"] / suite.commands.TOY_PROXY
+    if not proxy.exists():
+        missing.append(str(proxy))
+    return missing
+
+
+@pytest.fixture(scope="module")
+def run() -> dict[str, Any]:
+    missing = _missing()
+    if missing:
+        pytest.skip("served suite needs: " + ", ".join(missing))
+    result = suite.run_all()
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return result
+
+
+CASES = [(m.name, p, d) for m, pairs in suite.PLAN for p, d in pairs]
+
+
+def _pairing(run: dict[str, Any], model: str, p: str, d: str) -> dict[str, Any]:
+    res = next(m for m in run["models"] if m["model"] == model)
+    return next(x for x in res["pairings"] if (x["prefill"], x["decode"]) == (p, d))
+
+
+@pytest.mark.parametrize(
+    "model,p,d", CASES, ids=[f"{m}-{p}P-{d}D" for m, p, d in CASES]
+)
+def test_completions_equal_oracle(run: dict[str, Any], model: str, p: str, d: str):
+    pairing = _pairing(run, model, p, d)
+    wrong = {n: c["tokens"] for n, c in pairing["prompts"].items() if not c["equal"]}
+    assert not wrong, f"{model} {p} P -> {d} D through the proxy: {wrong}"
+
+
+@pytest.mark.parametrize(
+    "model,p,d", CASES, ids=[f"{m}-{p}P-{d}D" for m, p, d in CASES]
+)
+def test_decoder_metrics_count_every_read(
+    run: dict[str, Any], model: str, p: str, d: str
+) -> None:
+    pairing = _pairing(run, model, p, d)
+    assert pairing["metrics_reads"] == pairing["requests"], pairing["metrics_reads"]
+    assert len(pairing["hook_reads"]) == pairing["requests"], pairing["hook_reads"]
+    hook_descs = sum(r["descriptors"] for r in pairing["hook_reads"])
+    assert hook_descs == pairing["metrics_descriptors"]
+
+
+def test_single_engine_of_the_series_equals_stock(run: dict[str, Any]) -> None:
+    for res in run["models"]:
+        if "single" in res:
+            assert res["single"]["series"] == res["single"]["stock"], res["model"]
+
+
+@pytest.mark.parametrize("model", [m.name for m, _ in suite.PLAN])
+def test_series_posts_no_more_descriptors(run: dict[str, Any], model: str) -> None:
+    stock = _pairing(run, model, "stock", "stock")
+    series = _pairing(run, model, "series", "series")
+    assert series["metrics_descriptors"] <= stock["metrics_descriptors"], (
+        stock["metrics_descriptors"],
+        series["metrics_descriptors"],
+    )
+    assert sum(r["bytes"] for r in series["hook_reads"]) == sum(
+        r["bytes"] for r in stock["hook_reads"]
+    )
+
+
+def test_negative_control_changes_tokens(run: dict[str, Any]) -> None:
+    control = run["models"][0]["negative_control"]
+    assert control["reads"] >= 1, control
+    assert control["differs"], control
+
+
+@pytest.mark.parametrize("case", list(suite.FAULTS))
+def test_fault_outcome_as_written(run: dict[str, Any], case: str) -> None:
+    got = next(c for c in run["faults"] if c["case"] == case)
+    assert got["ok"], json.dumps(got, indent=1)
+
+
+def test_no_server_left(run: dict[str, Any]) -> None:
+    """Every process group the suite started is gone."""
+    logs = Path(suite.OUT_DIR / "logs")
+    assert logs.is_dir()
+    left = [
+        p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _in_suite(p)
+    ]
+    assert not left, left
+
+
+def _in_suite(proc: Path) -> bool:
+    try:
+        env = (proc / "environ").read_bytes()
+    except OSError:
+        return False
+    return f"SERVED_RUN={suite.OUT_DIR}\0".encode() in env
