@@ -22,6 +22,8 @@ Run it with the project venv's python after `tools/fork.py build` (that is what
 * ``e2e``: real vLLM engines, prefill + decode over NIXL on CPU, stock and
   series trees (``checks/e2e``), with the CPU extension ``tools/cpu_ext.py``
   builds once and caches.
+* ``served``: P/D as users run it: ``vllm serve`` for P and D (stock and
+  series trees), vLLM's toy proxy and an HTTP client (``checks/served``).
 
 Counts come from ``--junitxml``; pytest exit 5 (nothing collected) is 0 tests,
 not a failure, and is noted in the table. Logs and junit files go to
@@ -66,7 +68,7 @@ from testrun.common import (
 )
 from testrun.lint import run_lint, run_lint_project, update_mypy_baseline
 from testrun.mutations import run_mutations
-from testrun.project_checks import run_checks, run_e2e
+from testrun.project_checks import run_checks, run_e2e, run_served
 from testrun.pytest_runs import BATCHED, run_batch, run_pytest, run_stack1
 from testrun.report import print_table, write_summary
 from testrun.suites import SUITES, Suite
@@ -88,6 +90,8 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = run_mutations(log, env)
     elif suite.kind == "e2e":
         res = run_e2e(suite, log, env)
+    elif suite.kind == "served":
+        res = run_served(suite, log, env)
     elif suite.kind == "roundtrip":
         rc = run_logged([PYTHON, "tools/fork.py", "roundtrip"], ROOT, log, env)
         res = Result(suite.name, passed=int(rc == 0), failed=int(rc != 0))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The checks and e2e suites: the project's own checks (``checks/``), held
-against the stock release run as the oracle, and real engines (``checks/e2e``).
+"""The checks, e2e and served suites: the project's own checks (``checks/``),
+held against the stock release run as the oracle, real engines
+(``checks/e2e``) and P/D served as users run it (``checks/served``).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     res = run_pytest(
         suite.name,
         # test_root_copies.py: its own suite (root-final), without vLLM.
-        ["checks", "--ignore=checks/e2e", "--ignore=checks/test_root_copies.py"],
+        ["checks", "--ignore=checks/e2e", "--ignore=checks/served",
+         "--ignore=checks/test_root_copies.py"],
         None, suite.workers, log, cenv, cwd=ROOT,
     )  # fmt: skip
     cases = (
@@ -185,4 +187,26 @@ def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     res = run_pytest(suite.name, ["--noconftest", "checks/e2e"], None, 0, log,
                      cenv, cwd=ROOT)  # fmt: skip
     res.note = res.note.replace("2 files", "checks/e2e")
+    return res
+
+
+def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """P/D served as users run it (``checks/served``): ``vllm serve`` for P and
+    D on build/stock and build/vllm, vLLM's toy proxy, an HTTP client.
+
+    The servers need the CPU extension in both trees, as the e2e suite does;
+    the suite skips (naming what is missing) without the serving packages.
+    """
+    stock = stock_worktree()
+    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE), str(stock)]
+    if run_logged(cmd, ROOT, log, env) != 0:
+        return Result(suite.name, failed=1, note="CPU extension build failed: "
+                      + tail(log, 3).replace("\n", " "))  # fmt: skip
+    # pytest imports no vLLM; each server gets its own PYTHONPATH (its tree,
+    # then checks/served/site) from checks/served/commands.py.
+    cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
+    cenv["FORK_CPU_RUNNER"] = "standalone"  # servers run without Triton
+    res = run_pytest(suite.name, ["--noconftest", "checks/served"], None, 0, log,
+                     cenv, cwd=ROOT)  # fmt: skip
+    res.note = res.note.replace("2 files", "checks/served")
     return res

@@ -113,6 +113,8 @@ SUITES: list[Suite] = [
     Suite("checks", "checks", workers=2),
     Suite("mutations", "mutations"),
     Suite("e2e", "e2e"),
+    # P/D as users run it: vllm serve x 2, the toy proxy, an HTTP client.
+    Suite("served", "served"),
 ]  # fmt: skip
 
 
