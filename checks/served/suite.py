@@ -387,64 +387,100 @@ def churn_batch() -> list[list[int]]:
     return churn_prompts()
 
 
-def run_model(model: TinyModel, servers: dict[tuple[str, str], Server],
-              proxies: dict[tuple[str, str], Proxy]) -> dict[str, Any]:  # fmt: skip
-    """History, oracle, the pairings (and the Llama's negative control)."""
+def variant(k: int) -> dict[str, list[int]]:
+    """``checks.e2e.driver.prompts`` with first token moved by ``k`` (0: as is).
+
+    Another first token changes every block hash, so a server that served
+    variant 0 has none of variant ``k``'s blocks in its prefix cache ("long"
+    and "cached-prefix" still share their first 600 tokens).
+    """
     ps = prompts()
+    if k == 0:
+        return ps
+    return {name: [(p[0] - 3 + k) % 509 + 3, *p[1:]] for name, p in ps.items()}
+
+
+def _single(p: Server, ps: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each prompt whole on one prefiller: a single engine (no kv params)."""
+    out = {}
+    for name, prompt in ps.items():
+        res = complete(p.url, p.model_path, prompt, MAX_TOKENS, f"{p.name} {name}")
+        out[name] = tokens_of(res)[0]  # type: ignore[index]
+    return out
+
+
+def _handshake(proxy: Proxy) -> int:
+    """One short P/D request until it succeeds; the tries it took."""
+    body = commands.completion_request(proxy.p.model_path, [7] * 40, 1)
+    for tries in range(1, HANDSHAKE_TRIES + 1):
+        res = post(proxy.url, body, REQUEST_TIMEOUT)
+        if res["kind"] == COMPLETION:
+            return tries
+    raise ServedError(f"{proxy.name}: no handshake in {HANDSHAKE_TRIES} tries: {res}")
+
+
+def run_model(
+    model: TinyModel, servers: Servers, proxies: dict[tuple[str, str], Proxy]
+) -> dict[str, Any]:
+    """History, oracle, the pairings (and the Llama's negative control).
+
+    Same-tree pairs run first, on prompt variant 0, each on servers with the
+    same history (so stock + stock and series + series compare); each mixed
+    pair runs on a variant of its own, which neither of its servers has
+    cached.
+    """
     path = str(make(model))
     result: dict[str, Any] = {
-        "model": model.name, "backend": model.backend, "oracle": model.oracle,
-        "oracle_reason": model.oracle_reason, "pairings": [],
+        "model": model.name,
+        "backend": model.backend,
+        "oracle": model.oracle,
+        "oracle_reason": model.oracle_reason,
+        "pairings": [],
         "start_seconds": {s.name: s.ready_seconds for s in servers.values()},
-    }  # fmt: skip
+    }
     # The same history on every server: one batch of plain requests.
     for s in servers.values():
         complete(s.url, path, churn_batch(), 8, f"{s.name} churn")
-    oracle: dict[str, list[int]] = {}
+    oracles: dict[int, dict[str, list[int]]] = {}
     if model.oracle == "single":
-        single: dict[str, dict[str, list[int]]] = {}
-        for tree in ("stock", "series"):
-            p = servers.get(("prefill", tree))
-            if p is None:
-                continue
-            single[tree] = {
-                name: tokens_of(complete(p.url, path, prompt, MAX_TOKENS,
-                                         f"{p.name} single {name}"))[0]  # type: ignore[index]
-                for name, prompt in ps.items()
-            }  # fmt: skip
-        oracle = dict(single["stock"])
+        single = {
+            tree: _single(servers["prefill", tree], variant(0))
+            for tree in ("stock", "series")
+        }
+        oracles[0] = single["stock"]
         result["single"] = single
+    mixed = 0
     for (pt, dt), proxy in proxies.items():
+        k = 0
+        if pt != dt:
+            mixed += 1
+            k = mixed
+        if k not in oracles:  # mixed pairs: single-oracle models only
+            oracles[k] = _single(servers["prefill", "stock"], variant(k))
         d = proxy.d
-        pairing: dict[str, Any] = {"prefill": pt, "decode": dt, "prompts": {}}
-        sent_ok = d.metrics().get(COUNT, 0.0)
-        tries = 0
-        while tries < HANDSHAKE_TRIES:
-            tries += 1
-            res = post(proxy.url, commands.completion_request(path, [7] * 40, 1),
-                       REQUEST_TIMEOUT)  # fmt: skip
-            if res["kind"] == COMPLETION:
-                sent_ok += 1
-                break
-        else:
-            raise ServedError(f"{proxy.name}: no handshake in {tries} tries: {res}")
-        pairing["handshake_tries"] = tries
-        before = wait_reads(d, COUNT, sent_ok)
+        pairing: dict[str, Any] = {"prefill": pt, "decode": dt, "variant": k}
+        count = d.metrics().get(COUNT, 0.0)
+        pairing["handshake_tries"] = _handshake(proxy)
+        before = wait_reads(d, COUNT, count + 1)  # the handshake's READ
         reads_before = len(d.reads())
+        pairing["prompts"] = {}
+        ps = variant(k)
         for name, prompt in ps.items():
             n_reads = len(d.reads())
-            res = post(proxy.url, commands.completion_request(path, prompt, MAX_TOKENS),
-                       REQUEST_TIMEOUT)  # fmt: skip
+            body = commands.completion_request(path, prompt, MAX_TOKENS)
+            res = post(proxy.url, body, REQUEST_TIMEOUT)
             toks = tokens_of(res)
             if toks is None:
                 raise ServedError(f"{proxy.name} {name}: {res}")
             if model.oracle == "stock-pd" and (pt, dt) == ("stock", "stock"):
-                oracle[name] = toks[0]
+                oracles.setdefault(0, {})[name] = toks[0]
             pairing["prompts"][name] = {
-                "tokens": toks[0], "equal": toks[0] == oracle[name],
-                "prompt_tokens": len(prompt), "seconds": res["seconds"],
+                "tokens": toks[0],
+                "equal": toks[0] == oracles[k][name],
+                "prompt_tokens": len(prompt),
+                "seconds": res["seconds"],
                 "reads": d.reads()[n_reads:],
-            }  # fmt: skip
+            }
         after = wait_reads(d, COUNT, before.get(COUNT, 0.0) + len(ps))
         pairing["requests"] = len(ps)
         pairing["metrics_reads"] = after.get(COUNT, 0.0) - before.get(COUNT, 0.0)
@@ -453,11 +489,16 @@ def run_model(model: TinyModel, servers: dict[tuple[str, str], Server],
         )
         pairing["hook_reads"] = d.reads()[reads_before:]
         result["pairings"].append(pairing)
-    result["oracle_tokens"] = oracle
-    if ("prefill", "series") in servers and model is LLAMA:
+    result["oracle_tokens"] = oracles[0]
+    if model is LLAMA:
+        # Stock P (killed by the first fault next) -> series D, on a variant
+        # neither has served.
+        k = mixed + 1
+        oracles[k] = _single(servers["prefill", "stock"], variant(k))
         result["negative_control"] = negative_control(
-            servers["prefill", "series"], servers["decode", "series"], path, oracle
-        )
+            servers["prefill", "stock"], servers["decode", "series"], variant(k),
+            oracles[k],
+        )  # fmt: skip
     return result
 
 
@@ -471,16 +512,17 @@ def prefill_only(p: Server, prompt: list[int], what: str) -> dict[str, Any]:
     return dict(params)
 
 
-def negative_control(p: Server, d: Server, path: str,
-                     oracle: dict[str, list[int]]) -> dict[str, Any]:  # fmt: skip
+def negative_control(
+    p: Server, d: Server, ps: dict[str, list[int]], oracle: dict[str, list[int]]
+) -> dict[str, Any]:
     """D pointed at another prompt's blocks must give other tokens."""
-    medium = prompts()["medium"]
+    medium = ps["medium"]
     params = prefill_only(p, medium, "negative control: medium")
     other = prefill_only(p, other_prompt(len(medium)), "negative control: other")
     wrong = dict(params, remote_block_ids=other["remote_block_ids"])
     n = len(d.reads())
-    res = complete(d.url, path, medium, MAX_TOKENS, "negative control decode",
-                   kv_transfer_params=wrong)  # fmt: skip
+    res = complete(d.url, d.model_path, medium, MAX_TOKENS,
+                   "negative control decode", kv_transfer_params=wrong)  # fmt: skip
     toks = tokens_of(res)[0]  # type: ignore[index]
     return {"tokens": toks, "differs": toks != oracle["medium"],
             "reads": len(d.reads()[n:])}  # fmt: skip
@@ -601,6 +643,7 @@ def run_all() -> dict[str, Any]:
             if pending is not None and holder is not None:
                 out["faults"].append(fault_decode_killed_finish(holder, pending))
                 holder.stop()
+                pending = holder = None
             res = timed(f"requests {model.name}", run_model, model, servers, proxies)
             out["models"].append(res)
             keep: set[Process] = set()
