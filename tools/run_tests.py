@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in SUITES:
             print(f"{s.name:28} {s.kind:10} {'quick' if s.quick else ''}")
         return 0
-    if not (TREE / ".git").is_dir():
+    if not (TREE / ".git").exists():  # a clone, or a worktree (.git file)
         print("run_tests.py: build/vllm missing: run `python3 tools/fork.py build`")
         return 1
     if args.update_mypy_baseline:
