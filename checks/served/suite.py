@@ -623,6 +623,7 @@ def run_all() -> dict[str, Any]:
         if not list((tree / "vllm").glob("_C*.so")):
             raise ServedError(f"{tree}: no vllm/_C*.so (tools/cpu_ext.py install)")
     out: dict[str, Any] = {"models": [], "faults": [], "phases": {}}
+    load_start = os.getloadavg()[0]
 
     def timed(what: str, fn: Any, *args: Any) -> Any:
         t = time.monotonic()
@@ -657,6 +658,7 @@ def run_all() -> dict[str, Any]:
             for proc in [*servers.values(), *proxies.values()]:
                 if proc not in keep:
                     proc.stop()
+    out["loadavg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
     return dict(out, seconds=round(time.monotonic() - begin, 1))
 
 
