@@ -121,17 +121,56 @@ def free_port() -> int:
     raise ServedError("no free port below 32768")
 
 
-def _group_alive(pgid: int) -> bool:
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             stat = (proc / "stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                return True
+                pids.append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
-    return False
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_pids(pgid))
+
+
+def _shm_of(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` files the processes map (vLLM's message queues)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1]
+            if path.startswith("/dev/shm/"):
+                found.add(path.removesuffix(" (deleted)"))
+    return found
+
+
+SHM_LEFT: list[str] = []  # what a stopped group left in /dev/shm, mapped still
+
+
+def _unlink_orphans(paths: set[str]) -> None:
+    """Remove those of ``paths`` that no process maps any more.
+
+    A process group killed with SIGKILL leaves its shared-memory queues
+    (~420 MB per vLLM server) in ``/dev/shm``: nothing of it is left to
+    unlink them.
+    """
+    if not paths:
+        return
+    still = _shm_of([int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()])
+    for path in paths - still:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    SHM_LEFT.extend(p for p in paths if os.path.exists(p))
 
 
 class Process:
@@ -188,15 +227,21 @@ class Process:
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (API server, engine, worker)."""
+        shm = _shm_of(_group_pids(self.proc.pid))
         if _group_alive(self.proc.pid):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        deadline = time.monotonic() + 10
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _unlink_orphans(shm)
 
     def stop(self) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever is left."""
         if self._log.closed:
             return
         pgid = self.proc.pid
+        shm = _shm_of(_group_pids(pgid))
         if _group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
@@ -209,6 +254,7 @@ class Process:
                     os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        _unlink_orphans(shm)
         self._log.close()
 
 
@@ -658,6 +704,7 @@ def run_all() -> dict[str, Any]:
             for proc in [*servers.values(), *proxies.values()]:
                 if proc not in keep:
                     proc.stop()
+    out["shm_left"] = sorted(set(SHM_LEFT))
     out["loadavg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
     return dict(out, seconds=round(time.monotonic() - begin, 1))
 

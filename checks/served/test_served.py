@@ -118,13 +118,14 @@ def test_fault_outcome_as_written(run: dict[str, Any], case: str) -> None:
 
 
 def test_no_server_left(run: dict[str, Any]) -> None:
-    """Every process group the suite started is gone."""
+    """Every process group the suite started is gone, with its /dev/shm queues."""
     logs = Path(suite.OUT_DIR / "logs")
     assert logs.is_dir()
     left = [
         p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _in_suite(p)
     ]
     assert not left, left
+    assert not run["shm_left"], f"left in /dev/shm: {run['shm_left']}"
 
 
 def _in_suite(proc: Path) -> bool:
