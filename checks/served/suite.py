@@ -160,9 +160,10 @@ SHM_LEFT: list[str] = []  # what a stopped group left in /dev/shm, mapped still
 def _unlink_orphans(paths: set[str]) -> None:
     """Remove those of ``paths`` that no process maps any more.
 
-    A process group killed with SIGKILL leaves its shared-memory queues
+    A process group killed whole with SIGKILL leaves its shared-memory queues
     (~420 MB per vLLM server) in ``/dev/shm``: nothing of it is left to
-    unlink them.
+    unlink them (``kill`` spares the resource tracker for that; this is the
+    fallback).
     """
     if not paths:
         return
@@ -227,13 +228,25 @@ class Process:
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (API server, engine, worker)."""
-        shm = _shm_of(_group_pids(self.proc.pid))
-        if _group_alive(self.proc.pid):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        pids = _group_pids(self.proc.pid)
+        shm = _shm_of(pids)
+        # All but multiprocessing's resource tracker: it outlives the others,
+        # sees them gone and unlinks what they registered (semaphores, shared
+        # memory), as after any crash of a vLLM server.
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"resource_tracker" not in cmdline:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
         self.proc.wait()
         deadline = time.monotonic() + 10
         while _group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if _group_alive(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         _unlink_orphans(shm)
 
     def stop(self) -> None:
