@@ -51,7 +51,7 @@ SERIES_FEATURES = (
 # (``build_zoo_layout(permute_seed=1)``).
 PERMUTED = "@permuted"
 # Blocks of every zoo layout built here.
-NUM_BLOCKS = 16
+NUM_BLOCKS = 32
 
 PAIRS = [
     ("glm53-mtp/LBNHC", "glm53-mtp/LBNHC"),
