@@ -4,18 +4,21 @@
 A rolling upgrade pairs a stock 0.34.0 instance with a patched one. Here each
 side of a pair is what a user sets (``Config``: the tree, the model, device or
 host staging, ``--block-size``, ``VLLM_KV_CACHE_LAYOUT``, NIXL alone or in a
-MultiConnector) and runs in a process of its tree, with that tree on
-``PYTHONPATH`` (one process per tree: P and D of one tree share it, each
-side with its own worker and agent). The side resolves the KV cache layout
-with its tree's own ``resolve_kv_cache_layout`` (as on CUDA, where the
-connector's preference applies), builds the layout with vLLM's planner and
-allocator (``layout_zoo``) and a pull worker with real NIXL, and exchanges
-what the deployment's side channel carries: the prefiller's handshake
-payload (compatibility hash checked as ``_nixl_handshake`` checks it), then
-the request's block ids. The decoder reads the request through its own read
+MultiConnector, the TP size) and runs in a process of its tree, with that
+tree on ``PYTHONPATH`` (one process per tree: P and D of one tree share it,
+each side with its own worker and agent per TP rank). The side resolves the
+KV cache layout with its tree's own ``resolve_kv_cache_layout`` (as on CUDA,
+where the connector's preference applies), builds the layout with vLLM's
+planner and allocator (``layout_zoo``) and a pull worker with real NIXL, and
+exchanges what the deployment's side channel carries: the prefiller's
+handshake payload (compatibility hash checked as ``_nixl_handshake`` checks
+it), then the request's block ids. The decoder reads the request through its own read
 path from the prefiller's memory (in the other process when the trees
 differ), and checks every page it received against the bytes the prefiller
-holds for it.
+holds for it. At TP above 1 (``run_pair``), each decoder rank handshakes
+with the prefiller ranks its tree names and reads them as its tree's TP
+mapping says; each KV head is checked against the prefiller rank that holds
+it (the main job's ``job_nixl.verify_heads_and_zero``).
 
     python -m checks.cross_tree --stock build/stock --fork build/vllm
 
@@ -84,6 +87,8 @@ class Config:
             NixlConnector alone.
         backend: ``cpu``: the attention backend is CPU_ATTN (LBHNC only)
             instead of the model's CUDA one.
+        tp: ``--tensor-parallel-size``: the instance runs one worker per TP
+            rank, each holding its share of the KV heads (``llama8b``).
 
     """
 
@@ -94,6 +99,7 @@ class Config:
     layout: str | None = None
     multi: bool = False
     backend: str | None = None
+    tp: int = 1
 
     @property
     def label(self) -> str:
@@ -103,6 +109,7 @@ class Config:
             f"env={self.layout}" if self.layout else "",
             "multi" if self.multi else "",
             f"attn={self.backend}" if self.backend else "",
+            f"tp{self.tp}" if self.tp != 1 else "",
         ]
         return "+".join([self.tree, self.model, *filter(None, extras)])
 
@@ -125,6 +132,14 @@ class Pair:
 
 def _both_ways(a: Config, b: Config) -> list[Pair]:
     return [Pair(a, b), Pair(b, a)]
+
+
+def _across(prefill: dict[str, Any], decode: dict[str, Any]) -> list[Pair]:
+    """Stock P -> series D and series P -> stock D of the same settings."""
+    return [
+        Pair(_stock(**prefill), _fork(**decode)),
+        Pair(_fork(**prefill), _stock(**decode)),
+    ]
 
 
 def _fork(**kw: Any) -> Config:
@@ -150,6 +165,11 @@ CROSS_CASES: list[Pair] = [
     *_both_ways(
         _stock(model="llama8b", layout="BHLNC"), _fork(model="llama8b", layout="BHLNC")
     ),
+    # Heterogeneous TP, dense GQA on defaults (LBHNC): each rank of a TP 2
+    # decoder reads its 4 of the 8 KV heads from a TP 1 prefiller, and a TP 1
+    # decoder reads 4 heads from each rank of a TP 2 prefiller.
+    *_across({"model": "llama8b"}, {"model": "llama8b", "tp": 2}),
+    *_across({"model": "llama8b", "tp": 2}, {"model": "llama8b"}),
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
@@ -184,31 +204,47 @@ CROSS_CASES: list[Pair] = [
     Pair(_fork(model="llama8b"), _fork(model="llama8b", block_size=128)),
 ]
 
-
 # ------------------------------------------------------------------ child side
 
 
+def _bench_path() -> None:
+    """Make the main job's modules (``tools/bench``) importable."""
+    bench = str(ROOT / "tools" / "bench")
+    if bench not in sys.path:
+        sys.path.append(bench)
+
+
 class _Side:
-    """One instance, in a process with its own tree on ``PYTHONPATH``."""
+    """One instance's worker (TP rank ``rank``), in a process with its own
+    tree on ``PYTHONPATH``."""
 
     def __init__(
         self,
         config: dict[str, Any],
         engine_id: str,
         geometry: dict[str, int] | None = None,
+        rank: int = 0,
     ) -> None:
         self.config = Config(**config)
         self.engine_id = engine_id
+        self.rank = rank
         self.layout_name = self._resolve()
         from checks.layout_zoo import build_zoo_layout, make_zoo_worker
         from checks.real_nixl import fill_pattern, zero
 
         # ``geometry``: build_zoo_layout's keywords (the main job's layers,
         # scale and pages) over the defaults: 32 blocks of the user's size.
-        kwargs = {"num_blocks": 32, "block_size": self.config.block_size}
+        kwargs = {
+            "num_blocks": 32,
+            "block_size": self.config.block_size,
+            "tp_size": self.config.tp,
+        }
         self.layout = build_zoo_layout(self.layout_name, **(kwargs | (geometry or {})))
         if engine_id == "prefill":
-            fill_pattern(self.layout, seed=7)
+            # Each rank's own bytes: ranks of one head share them, as ranks
+            # that replicate a head do.
+            first = self.heads().start if self.config.tp > 1 else 0
+            fill_pattern(self.layout, seed=7 + first)
         else:
             zero(self.layout)
         self.device_raws = list(self.layout.raws)
@@ -218,8 +254,28 @@ class _Side:
                 self.layout,
                 engine_id=engine_id,
                 coalesce=True,
+                tp_rank=rank,
+                tp_size=self.config.tp,
                 settings=self._set_block_size,
             )
+
+    def heads(self, tp: int | None = None, rank: int | None = None) -> range:
+        """The KV heads TP rank ``rank`` of ``tp`` holds (default: this one),
+        as the main job's heterogeneous-TP scenarios place them."""
+        _bench_path()
+        from job_child import _rank_heads
+        from tests.v1.kv_connector.unit.utils import create_vllm_config
+
+        if not hasattr(self, "_total_heads"):
+            config = create_vllm_config(block_size=self.layout.block_size)
+            assert self.layout.configure is not None
+            self.layout.configure(config)
+            self._total_heads = config.model_config.get_total_num_kv_heads()
+        return _rank_heads(
+            self._total_heads,
+            self.config.tp if tp is None else tp,
+            self.rank if rank is None else rank,
+        )
 
     def _set_block_size(self, config: Any) -> None:
         config.cache_config.user_specified_block_size = (
@@ -264,7 +320,7 @@ class _Side:
             classes.append(getattr(__import__(module, fromlist=[name]), name))
         supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
         base = "LBHNC" if c.model in GQA_MODELS else "BLHNC"
-        tiny = build_zoo_layout(f"{c.model}/{base}", num_blocks=32)
+        tiny = build_zoo_layout(f"{c.model}/{base}", num_blocks=32, tp_size=c.tp)
         specs = []
         for group in tiny.kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
@@ -290,6 +346,8 @@ class _Side:
             kv_connector_extra_config=extra,
         )
         config.cache_config.kv_cache_layout = None
+        config.parallel_config.tensor_parallel_size = c.tp
+        config.parallel_config.rank = self.rank
         self._set_block_size(config)
         with (
             self._settings(),
@@ -309,7 +367,14 @@ class _Side:
             "groups": len(self.worker.kv_cache_config.transfer_groups),
             "limit": min(self.worker.region_num_blocks),
             "block_size": self.layout.block_size,
+            "tp": self.config.tp,
+            "rank": self.rank,
         }
+
+    def targets(self, peer_tp: int) -> list[int]:
+        """The prefiller's TP ranks this rank handshakes with (its tree's
+        ``handshake_target_ranks``, before any handshake)."""
+        return list(self.worker.transfer_topo.handshake_target_ranks(peer_tp))
 
     def pages(self, remote: list[list[int]]) -> dict[str, Any]:
         """Stage the request (host staging) and send its pages' bytes."""
@@ -345,21 +410,29 @@ class _Side:
         meta = msgspec.msgpack.decode(
             base64.b64decode(peer["meta"]), type=NixlAgentMetadata
         )
+        rank, tp = peer.get("rank", 0), peer.get("tp", 1)
         try:
-            agent = self.worker.add_remote_agent(meta)
+            agent = self.worker.add_remote_agent(
+                meta, remote_tp_rank=rank, remote_tp_size=tp
+            )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             return out | {"error": f"handshake: {type(e).__name__}", "message": str(e)}
-        self.worker._remote_agents.setdefault("prefill", {})[(0, 0)] = agent
+        self.worker._remote_agents.setdefault("prefill", {})[(0, rank)] = agent
         self.peer_block_size = peer["block_size"]
+        self.peer_tp = tp
         return None
 
-    def read(self, peer: dict[str, Any], pages: dict[str, Any] | None) -> dict:
-        """Handshake with the prefiller's payload; read the request if accepted."""
+    def read(self, peers: list[dict[str, Any]], pages: dict[str, Any] | None) -> dict:
+        """Handshake with the prefiller ranks' payloads (``targets``); read
+        the request if accepted. ``pages``: each rank's ``pages``."""
         if pages is not None:
             return self._pull(pages)
-        refused = self.handshake(peer)
-        if refused is not None:
-            return refused
+        for peer in peers:
+            refused = self.handshake(peer)
+            if refused is not None:
+                return refused | {"rank": self.rank, "peer_rank": peer["rank"]}
+        self.peer_ranks = [peer["rank"] for peer in peers]
+        peer = peers[0]
         rng = random.Random(11)
         self.ratio = self.layout.block_size // peer["block_size"]
         self.local = _request(self.worker, rng, 4)
@@ -376,17 +449,29 @@ class _Side:
         return {"lists": self.remote, "runs": self.runs}
 
     def _pull(self, pages: dict[str, Any]) -> dict[str, Any]:
+        """Read the request; ``pages``: each prefiller rank's pages, by rank."""
+        from functools import partial
+
         from checks.real_nixl import pull_request
 
         out: dict[str, Any] = {"accepted": False}
         local, remote, ratio = self.local, self.remote, self.ratio
         stub = type("Peer", (), {"engine_id": "prefill", "use_host_buffer": False})
+        if self.peer_tp == self.config.tp:
+            # Rank r reads rank r: its pages whole.
+            if str(self.rank) not in pages:
+                raise RuntimeError(f"rank {self.rank} reads ranks {self.peer_ranks}")
+            truth = partial(self._truth, pages=pages[str(self.rank)])
+        else:
+            truth = partial(self._head_truth, pages=pages)
         try:
             result = pull_request(
                 self.worker,
                 stub,
                 local,
                 remote,
+                remote_rank=self.peer_ranks[0],
+                remote_tp_size=self.peer_tp,
                 num_tokens=4 * ratio * self.peer_block_size,
                 staging_copies=True,
             )
@@ -397,7 +482,7 @@ class _Side:
             "error": None,
             "descriptors": result.descriptors,
             "total_bytes": result.total_bytes,
-            **self._truth(local, remote, pages["pages"], ratio),
+            **truth(local, remote, ratio=ratio),
         }
         if self.runs is not None:
             runs = pull_request(
@@ -405,14 +490,74 @@ class _Side:
                 stub,
                 self.runs,
                 self.runs,
+                remote_rank=self.peer_ranks[0],
+                remote_tp_size=self.peer_tp,
                 num_tokens=8 * self.peer_block_size,
                 staging_copies=True,
             )
-            truth = self._truth(self.runs, self.runs, pages["pages"], 1)
+            run_truth = truth(self.runs, self.runs, ratio=1)
             out["run_descriptors"] = runs.descriptors
-            out["run_wrong_pages"] = truth["wrong_pages"]
-            out["outside_clean"] &= truth["outside_clean"]
+            out["run_wrong_pages"] = run_truth["wrong_pages"]
+            out["outside_clean"] &= run_truth["outside_clean"]
         return out
+
+    def _head_truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
+        """``_truth`` at heterogeneous TP: each KV head of D's ``[B, H, N,
+        C]`` pages against that head of the prefiller rank that holds it
+        (the first of the ranks D read, where ranks replicate a head), with
+        the main job's check (``job_nixl.verify_heads_and_zero``)."""
+        from types import SimpleNamespace
+
+        import torch
+
+        from checks.pairing_matrix import _clear_views, _padded_pages
+
+        _bench_path()
+        from job_nixl import verify_heads_and_zero
+
+        if ratio != 1:
+            raise NotImplementedError("heterogeneous TP with P/D block sizes")
+        d_heads = self.heads()
+        holders: dict[int, range] = {}
+        for rank in self.peer_ranks:
+            heads = self.heads(tp=self.peer_tp, rank=rank)
+            if all(heads != held for held in holders.values()):
+                holders[rank] = heads
+        groups = self.worker.kv_cache_config.transfer_group_index_by_layer
+        checked = wrong = 0
+        for name, view in self.layout.kv_caches.items():
+            if name not in groups or view.ndim != 4:
+                continue
+            group = groups[name]
+            spec = self.worker._layer_specs.get(name)
+            padded = _padded_pages(
+                view, getattr(spec, "page_size_bytes", None), self.device_raws
+            )
+            page_bytes = view[0].numel() * view.element_size()
+            for d_block, p_block in zip(local[group], remote[group], strict=True):
+                # P's page of each rank, as a one-block layout of that layer.
+                prefills = []
+                for rank, heads in holders.items():
+                    data = base64.b64decode(pages[str(rank)][name][str(p_block)])
+                    page = torch.frombuffer(bytearray(data), dtype=view.dtype)
+                    page = page.view(1, len(heads), *view.shape[2:])
+                    prefills.append((SimpleNamespace(kv_caches={name: page}), heads))
+                ok, compared = verify_heads_and_zero(
+                    SimpleNamespace(kv_caches={name: view}),
+                    prefills,
+                    d_heads,
+                    SimpleNamespace(local_ids=[d_block], remote_ids=[0]),
+                )
+                checked += 1
+                wrong += not ok or compared != page_bytes
+                padded[d_block].zero_()
+        outside_clean = not any(bool(raw.any()) for raw in self.device_raws)
+        return {
+            "pages": checked,
+            "wrong_pages": wrong,
+            "outside_clean": outside_clean,
+            "untouched": _clear_views(self.layout, self.worker, self.device_raws),
+        }
 
     def _truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
         """D's pages of the request against P's bytes; nothing else written."""
@@ -609,43 +754,52 @@ def _request(worker, rng: random.Random, per_group: int) -> list[list[int]]:
 def _child() -> int:
     """Serve sides: JSON commands on stdin, one JSON answer per line.
 
-    A process holds one side per engine id (``prefill``, ``decode``): both
-    when P and D run the same tree. Every command names its side's engine
-    id; ``drop`` shuts down the sides not in ``keep``.
+    A process holds sides by engine id (``prefill``, ``decode``; both when P
+    and D run the same tree) and TP rank. Every command names its side's
+    engine id and rank (default 0); ``build`` replaces that side and shuts
+    down its engine's other ranks but those in ``keep_ranks``; ``drop``
+    shuts down the sides whose engine is not in ``keep``.
     """
     # Answers go to the original stdout; everything the tree prints, to stderr.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    sides: dict[str, _Side] = {}
+    sides: dict[tuple[str, int], _Side] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
-        op, engine_id = cmd["op"], cmd.get("engine_id")
+        op, key = cmd["op"], (cmd.get("engine_id"), cmd.get("rank", 0))
         try:
-            if op in ("build", "drop"):  # build replaces its own side only
-                keep = set(cmd.get("keep", sides)) - {engine_id}
-                for name in [n for n in sides if n not in keep]:
-                    sides.pop(name).worker.shutdown()
             if op == "build":
-                side = _Side(cmd["config"], engine_id, cmd.get("geometry"))
-                sides[engine_id] = side
+                keep_ranks = set(cmd.get("keep_ranks", ())) - {key[1]}
+                gone = [k for k in sides if k[0] == key[0] and k[1] not in keep_ranks]
+            elif op == "drop":
+                gone = [k for k in sides if k[0] not in cmd.get("keep", ())]
+            else:
+                gone = []
+            for k in gone:
+                sides.pop(k).worker.shutdown()
+            if op == "build":
+                side = _Side(cmd["config"], key[0], cmd.get("geometry"), key[1])
+                sides[key] = side
                 answer: dict[str, Any] = side.payload()
             elif op == "drop":
-                answer = {"sides": sorted(sides)}
+                answer = {"sides": sorted(f"{e}/{r}" for e, r in sides)}
+            elif op == "targets":
+                answer = {"ranks": sides[key].targets(cmd["peer_tp"])}
             elif op == "pages":
-                answer = sides[engine_id].pages(cmd["remote"])
+                answer = sides[key].pages(cmd["remote"])
             elif op == "read":
-                answer = sides[engine_id].read(cmd["peer"], cmd.get("pages"))
+                answer = sides[key].read(cmd["peers"], cmd.get("pages"))
             elif op == "handshake":
-                answer = sides[engine_id].handshake(cmd["peer"]) or {"accepted": True}
+                answer = sides[key].handshake(cmd["peer"]) or {"accepted": True}
             elif op == "digests":
-                answer = {"digests": sides[engine_id].digests(cmd["blocks"])}
+                answer = {"digests": sides[key].digests(cmd["blocks"])}
             elif op == "post":
-                answer = sides[engine_id].post(cmd["local"], cmd["remote"])
+                answer = sides[key].post(cmd["local"], cmd["remote"])
             elif op == "poll":
-                answer = sides[engine_id].poll(cmd["want"], cmd["timeout_s"])
+                answer = sides[key].poll(cmd["want"], cmd["timeout_s"])
             elif op == "read_lists":
-                side = sides[engine_id]
+                side = sides[key]
                 answer = side.read_lists(cmd["local"], cmd["remote"], cmd["want"])
             else:
                 break
@@ -728,12 +882,10 @@ class Processes:
     def pair(self, p_tree: str, d_tree: str) -> tuple[_Process, _Process]:
         """The prefiller's and decoder's processes: one per tree, holding the
         sides a pair puts on it (both when P and D share the tree). Every
-        other side is shut down first: an idle NIXL agent's progress thread
+        earlier side is shut down first: an idle NIXL agent's progress thread
         polls, and idle agents on two cores slow every READ."""
-        roles = (("prefill", p_tree), ("decode", d_tree))
         for tree in dict.fromkeys([*self.procs, p_tree, d_tree]):
-            keep = [engine for engine, t in roles if t == tree]
-            self.get(tree).ask(op="drop", keep=keep)
+            self.get(tree).ask(op="drop", keep=[])
         return self.get(p_tree), self.get(d_tree)
 
     def close(self) -> None:
@@ -775,28 +927,78 @@ def run_killed(tree: Path, before_post: bool, blocks: int = 1024) -> dict[str, A
         p.close()
 
 
+# What ``run_pair`` adds up over a TP decoder's ranks, and what all must hold.
+_SUMS = ("descriptors", "total_bytes", "pages", "wrong_pages", "run_descriptors")
+_SUMS += ("run_wrong_pages",)
+_ALL = ("outside_clean", "untouched")
+
+
 def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
-    """Run one pair, each side in a process of its own tree."""
+    """Run one pair, each side in a process of its own tree.
+
+    Rank by rank of the decoder (``Config.tp``): the rank asks its tree which
+    prefiller ranks to handshake with (``handshake_target_ranks``), those
+    ranks are built (each its own worker and agent, holding its share of
+    the KV heads), the decoder rank handshakes with each and reads the
+    request from them (its tree's TP mapping), and checks each KV head
+    against the rank that holds it. Descriptors, pages and bytes add up
+    over the decoder's ranks; a refusal by any rank refuses the pair.
+    """
     p, d = procs.pair(pair.prefill.tree, pair.decode.tree)
     out: dict[str, Any] = {"accepted": False}
-    peer = p.ask(op="build", config=asdict(pair.prefill), engine_id="prefill")
-    if "error" in peer:
-        return out | {"error": f"register prefill: {peer['error']}"}
-    mine = d.ask(op="build", config=asdict(pair.decode), engine_id="decode")
-    if "error" in mine:
-        return out | {"error": f"register decode: {mine['error']}"}
-    out["layouts"] = [peer["layout"], mine["layout"]]
-    out["regions"] = [peer["regions"], mine["regions"]]
-    lists = d.ask(op="read", peer=peer, engine_id="decode")
-    if "lists" not in lists:
-        return out | lists
-    wanted = lists["lists"]
-    if lists["runs"] is not None:
-        wanted = [a + b for a, b in zip(wanted, lists["runs"], strict=True)]
-    pages = p.ask(op="pages", remote=wanted, engine_id="prefill")
-    if "error" in pages:
-        return out | {"error": f"stage prefill: {pages['error']}"}
-    return out | d.ask(op="read", peer=peer, pages=pages, engine_id="decode")
+    peers: dict[int, dict[str, Any]] = {}
+    ranks: list[dict[str, Any]] = []
+    for d_rank in range(pair.decode.tp):
+        mine = d.ask(
+            op="build", config=asdict(pair.decode), engine_id="decode", rank=d_rank
+        )
+        if "error" in mine:
+            return out | {"error": f"register decode: {mine['error']}"}
+        targets = d.ask(
+            op="targets", peer_tp=pair.prefill.tp, engine_id="decode", rank=d_rank
+        )
+        if "ranks" not in targets:
+            return out | {"error": f"targets: {targets['error']}"}
+        peers = {r: peers[r] for r in targets["ranks"] if r in peers}
+        for rank in targets["ranks"]:
+            if rank not in peers:
+                peers[rank] = p.ask(
+                    op="build",
+                    config=asdict(pair.prefill),
+                    engine_id="prefill",
+                    rank=rank,
+                    keep_ranks=list(peers),
+                )
+                if "error" in peers[rank]:
+                    return out | {"error": f"register prefill: {peers[rank]['error']}"}
+        first = peers[targets["ranks"][0]]
+        out["layouts"] = [first["layout"], mine["layout"]]
+        out["regions"] = [first["regions"], mine["regions"]]
+        chosen = [peers[rank] for rank in targets["ranks"]]
+        read = {"engine_id": "decode", "rank": d_rank, "peers": chosen}
+        lists = d.ask(op="read", **read)
+        if "lists" not in lists:
+            return out | lists
+        wanted = lists["lists"]
+        if lists["runs"] is not None:
+            wanted = [a + b for a, b in zip(wanted, lists["runs"], strict=True)]
+        pages = {}
+        for rank in peers:
+            got = p.ask(op="pages", remote=wanted, engine_id="prefill", rank=rank)
+            if "error" in got:
+                return out | {"error": f"stage prefill: {got['error']}"}
+            pages[str(rank)] = got["pages"]
+        result = d.ask(op="read", pages=pages, **read)
+        if not result.get("accepted"):
+            return out | result | {"rank": d_rank}
+        ranks.append(result)
+    if len(ranks) == 1:
+        return out | ranks[0]
+    out |= {"accepted": True, "error": None, "ranks": ranks}
+    for key in _SUMS:
+        values = [result.get(key) for result in ranks]
+        out[key] = None if None in values else sum(values)
+    return out | {key: all(result[key] for result in ranks) for key in _ALL}
 
 
 def run_pairs(pairs: list[Pair], trees: dict[str, Path]) -> dict[str, dict]:

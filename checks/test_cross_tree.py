@@ -6,8 +6,10 @@ a process of its tree (stock 0.34.0 from ``STOCK_TREE``, default
 ``build/stock``; the fork from ``build/vllm``), and is held against stock +
 stock of the same configurations (``Pair.oracle``): where stock pairs them,
 the fork must pair them too, land exactly the prefiller's pages, change no
-other decoder byte, and post no more descriptors. The results go to
-``build/checks/cross_tree.json`` (the PR description's table).
+other decoder byte, and post no more descriptors. A side of TP above 1 is
+one worker per TP rank, every decoder rank reading and checking its KV
+heads. The results go to ``build/checks/cross_tree.json`` (the PR
+description's table).
 """
 
 import json
@@ -87,6 +89,9 @@ def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
     # head and block: at most the heads times stock's per-layer pages.
     heads = GQA_HEADS if _crosses_gqa_layouts(got) else 1
     assert got["descriptors"] <= heads * want["descriptors"], (got, want)
+    # Rank by rank too, where the decoder has several (Config.tp).
+    for mine, stock in zip(got.get("ranks", []), want.get("ranks", []), strict=True):
+        assert mine["descriptors"] <= heads * stock["descriptors"], (mine, stock)
     # An 8-block run consecutive on both sides: exact too. Two instances of
     # one layout merge it; a row side and a per-layer side cannot (recorded,
     # and held to one descriptor per page region and block).
