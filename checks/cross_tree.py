@@ -63,13 +63,14 @@ BACKENDS |= {
         "vllm.v1.attention.backends.mla.indexer:DeepseekV4IndexerBackend",
     )
 }
-# Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads; a gpt-oss-like
-# sliding/full hybrid): FlashAttention on CUDA, or a backend that takes LBHNC
-# only (``backend="cpu"``: CPU_ATTN).
-GQA_MODELS = {"llama8b", "gpt-oss"}
+# Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads; a model of one
+# KV head, ``llama``: one TP 8 rank's share of a Llama-3.1-70B-like model; a
+# gpt-oss-like sliding/full hybrid): FlashAttention on CUDA, or a backend that
+# takes LBHNC only (``backend="cpu"``: CPU_ATTN).
+GQA_MODELS = {"llama8b", "llama", "gpt-oss"}
 _FLASH_ATTN = ("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",)
 _CPU_ATTN = ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",)
-BACKENDS |= {"llama8b": _FLASH_ATTN, "gpt-oss": _FLASH_ATTN}
+BACKENDS |= {"llama8b": _FLASH_ATTN, "llama": _FLASH_ATTN, "gpt-oss": _FLASH_ATTN}
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class Config:
         backend: ``cpu``: the attention backend is CPU_ATTN (LBHNC only)
             instead of the model's CUDA one.
         tp: ``--tensor-parallel-size``: the instance runs one worker per TP
-            rank, each holding its share of the KV heads (``llama8b``).
+            rank, each holding its share of the KV heads (``llama8b``), or
+            the model's one head (``llama``, replicated past one rank).
 
     """
 
@@ -170,6 +172,30 @@ CROSS_CASES: list[Pair] = [
     # decoder reads 4 heads from each rank of a TP 2 prefiller.
     *_across({"model": "llama8b"}, {"model": "llama8b", "tp": 2}),
     *_across({"model": "llama8b", "tp": 2}, {"model": "llama8b"}),
+    # User-set BHLNC at one KV head per rank: Llama-3.1-8B-like at TP 8 on
+    # both sides (rank r reads rank r); heterogeneous TP of a model of one KV
+    # head, replicated on every rank past the first. Stock reads a replicated
+    # prefiller into a larger replicated decoder (TP 2 -> 4), and refuses
+    # the others at the handshake: a TP 1 prefiller's BHLNC rows for a
+    # larger TP ("requires contiguous heads", though a replicating decoder
+    # splits no head), and a replicated prefiller for a smaller TP (a bare
+    # assert).
+    *_across(
+        {"model": "llama8b", "layout": "BHLNC", "tp": 8},
+        {"model": "llama8b", "layout": "BHLNC", "tp": 8},
+    ),
+    *_across(
+        {"model": "llama", "layout": "BHLNC", "tp": 2},
+        {"model": "llama", "layout": "BHLNC", "tp": 4},
+    ),
+    *_across(
+        {"model": "llama", "layout": "BHLNC"},
+        {"model": "llama", "layout": "BHLNC", "tp": 2},
+    ),
+    *_across(
+        {"model": "llama", "layout": "BHLNC", "tp": 2},
+        {"model": "llama", "layout": "BHLNC"},
+    ),
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
@@ -203,6 +229,22 @@ CROSS_CASES: list[Pair] = [
     Pair(_fork(model="llama8b", block_size=32), _fork(model="llama8b")),
     Pair(_fork(model="llama8b"), _fork(model="llama8b", block_size=128)),
 ]
+
+# The stock + stock pairs (``Pair.oracle``) of CROSS_CASES that stock refuses
+# at the handshake, with what its refusal says: the fork may refuse them too,
+# at the handshake, or serve them exactly. The second is a bare ``assert``
+# in ``_validate_remote_agent_handshake``: under ``python -O`` stock skips it
+# and serves the pair exactly (its TP mapping reads the head from rank 0).
+STOCK_REFUSALS = {
+    Pair(
+        _stock(model="llama", layout="BHLNC"),
+        _stock(model="llama", layout="BHLNC", tp=2),
+    ).name: "handshake: RuntimeError: Heterogeneous TP head-dimension splitting",
+    Pair(
+        _stock(model="llama", layout="BHLNC", tp=2),
+        _stock(model="llama", layout="BHLNC"),
+    ).name: "handshake: AssertionError: ",
+}
 
 # ------------------------------------------------------------------ child side
 

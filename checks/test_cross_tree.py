@@ -6,7 +6,9 @@ a process of its tree (stock 0.34.0 from ``STOCK_TREE``, default
 ``build/stock``; the fork from ``build/vllm``), and is held against stock +
 stock of the same configurations (``Pair.oracle``): where stock pairs them,
 the fork must pair them too, land exactly the prefiller's pages, change no
-other decoder byte, and post no more descriptors. A side of TP above 1 is
+other decoder byte, and post no more descriptors; where stock refuses them
+at the handshake (``STOCK_REFUSALS``), the fork serves them exactly or
+refuses them at the handshake too, with a message. A side of TP above 1 is
 one worker per TP rank, every decoder rank reading and checking its KV
 heads. The results go to ``build/checks/cross_tree.json`` (the PR
 description's table).
@@ -23,6 +25,7 @@ pytest.importorskip("nixl")
 from checks.cross_tree import (  # noqa: E402
     CROSS_CASES,
     ROOT,
+    STOCK_REFUSALS,
     Pair,
     run_killed,
     run_pairs,
@@ -71,9 +74,31 @@ def results() -> dict:
     return got
 
 
+def _refusal(result: dict) -> str:
+    return f"{result.get('error')}: {result.get('message') or ''}"
+
+
+def _exact(got: dict) -> None:
+    assert got["pages"] > 0 and got["wrong_pages"] == 0, got
+    assert got["outside_clean"] and got["untouched"], got
+    assert got.get("run_wrong_pages") in (0, None), got
+
+
 @pytest.mark.parametrize("pair", CROSS_CASES, ids=[p.name for p in CROSS_CASES])
 def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
     want, got = results[pair.oracle().name], results[pair.name]
+    refusal = STOCK_REFUSALS.get(pair.oracle().name)
+    if refusal is not None:
+        assert not want["accepted"], f"stock now pairs {pair.oracle().name}: {want}"
+        assert _refusal(want).startswith(refusal), want
+        if got["accepted"]:
+            _exact(got)
+            return
+        # Refused where stock refuses: at the handshake, before any READ.
+        assert got["error"].startswith("handshake:"), got
+        if not got.get("message"):
+            pytest.xfail(f"refused as stock refuses, without a message: {got}")
+        return
     assert want["accepted"], f"stock + stock refuses {pair.oracle().name}: {want}"
     assert not want["wrong_pages"] and want["untouched"], want
     assert got["accepted"], got
