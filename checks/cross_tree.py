@@ -256,6 +256,11 @@ def _bench_path() -> None:
         sys.path.append(bench)
 
 
+# The layout each configuration resolved to (``_Side._resolve``), in this
+# process.
+_RESOLVED: dict[Config, str] = {}
+
+
 class _Side:
     """One instance's worker (TP rank ``rank``), in a process with its own
     tree on ``PYTHONPATH``."""
@@ -270,7 +275,10 @@ class _Side:
         self.config = Config(**config)
         self.engine_id = engine_id
         self.rank = rank
-        self.layout_name = self._resolve()
+        # Every rank of an instance resolves the same layout: once a process.
+        if self.config not in _RESOLVED:
+            _RESOLVED[self.config] = self._resolve()
+        self.layout_name = _RESOLVED[self.config]
         from checks.layout_zoo import build_zoo_layout, make_zoo_worker
         from checks.real_nixl import fill_pattern, zero
 
