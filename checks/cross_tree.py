@@ -1003,7 +1003,8 @@ def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
             op="build", config=asdict(pair.decode), engine_id="decode", rank=d_rank
         )
         if "error" in mine:
-            return out | {"error": f"register decode: {mine['error']}"}
+            error = f"register decode: {mine['error']}"
+            return out | {"error": error, "message": mine.get("message")}
         targets = d.ask(
             op="targets", peer_tp=pair.prefill.tp, engine_id="decode", rank=d_rank
         )
@@ -1020,7 +1021,10 @@ def run_pair(pair: Pair, procs: Processes) -> dict[str, Any]:
                     keep_ranks=list(peers),
                 )
                 if "error" in peers[rank]:
-                    return out | {"error": f"register prefill: {peers[rank]['error']}"}
+                    return out | {
+                        "error": f"register prefill: {peers[rank]['error']}",
+                        "message": peers[rank].get("message"),
+                    }
         first = peers[targets["ranks"][0]]
         out["layouts"] = [first["layout"], mine["layout"]]
         out["regions"] = [first["regions"], mine["regions"]]
