@@ -57,12 +57,11 @@ _SPARSE = (
 _DENSE = ("vllm.v1.attention.backends.mla.flashmla:FlashMLABackend",)
 BACKENDS = {"dsv32": _SPARSE, "glm53-mtp": _SPARSE, "mla-swa": _DENSE}
 # DeepSeek-V4: its indexer backend declares block-outermost layouts only.
-BACKENDS |= {
-    "dsv4": (
-        "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
-        "vllm.v1.attention.backends.mla.indexer:DeepseekV4IndexerBackend",
-    )
-}
+_DSV4 = (
+    "vllm.v1.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
+    "vllm.v1.attention.backends.mla.indexer:DeepseekV4IndexerBackend",
+)
+BACKENDS |= {"dsv4": _DSV4, "dsv4-mtp": _DSV4}
 # Models that are not MLA (Llama-3.1-8B-like GQA, 8 KV heads; a model of one
 # KV head, ``llama``: one TP 8 rank's share of a Llama-3.1-70B-like model; a
 # gpt-oss-like sliding/full hybrid): FlashAttention on CUDA, or a backend that
@@ -213,6 +212,11 @@ CROSS_CASES: list[Pair] = [
     *_both_ways(
         _stock(model="glm53-mtp", staging=True, layout="BLHNC"),
         _fork(model="glm53-mtp", staging=True),
+    ),
+    # DeepSeek-V4 + MTP staging: several groups share the row, which both
+    # trees stage per layer (the series mirrors rows of one group only).
+    *_both_ways(
+        _stock(model="dsv4-mtp", staging=True), _fork(model="dsv4-mtp", staging=True)
     ),
     Pair(_fork(model="dsv32", block_size=32), _fork(model="dsv32")),
     Pair(_stock(model="dsv32", block_size=32), _fork(model="dsv32")),

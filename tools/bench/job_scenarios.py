@@ -230,7 +230,7 @@ SCENARIOS = (
         staging_recipe="dsv4-mtp+host-staging/BLHNC",
         model_block_tokens=256,
         disjoint_groups=True,
-        rows=("nixl-host-staging-group-copies", "nixl-mirrored-host-staging"),
+        rows=("nixl-host-staging-group-copies",),
         parked_series=(("nixl-coalesced-reads", "coalesced reads"),),
         description="8 layers + MTP at the model's page sizes and 256-token "
         "blocks, lists replayed through 256-token pools; each transfer group "
@@ -238,10 +238,10 @@ SCENARIOS = (
         "split); six transfer groups (SWA, C4A/C128A "
         "compressed caches, indexer K, compressor states) aliasing one "
         "whole-row region from byte 0, mixed page sizes (BLHNC only); READs "
-        "move whole block rows, as stock does; P+D staging: stock stages in "
-        "per-layer host buffers (27 regions), the mirrored staging patch in one "
-        "allocation mirroring the device row (1), shared by the groups as on "
-        "the device",
+        "move whole block rows, as stock does; P+D staging: per-layer host buffers "
+        "on both sides, in stock and the series (the groups share the rows, "
+        "which the mirrored staging patch leaves per layer so that stock "
+        "staging peers still pair)",
     ),
     Scenario(
         "two-storage",

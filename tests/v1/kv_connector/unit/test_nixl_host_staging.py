@@ -3,12 +3,13 @@
 """NIXL host staging of block-outermost MLA rows: one host row, like the device.
 
 With ``kv_buffer_device="cpu"`` the worker stages KV blocks in host memory. An
-MLA cache laid out block-outermost (BLHNC) is one row allocation, so the host
-side mirrors it: every layer's host view has its device view's offset and
-strides, and the staging side registers and reads as the device side does,
-also where two cache groups overlay the row. Workers run the real
-registration, handshake and read path with a real NIXL agent (UCX on host
-DRAM), the staging copies with the CUDA platform's per-layer block copies.
+MLA cache of one transfer group laid out block-outermost (BLHNC) is one row
+allocation, so the host side mirrors it: every layer's host view has its
+device view's offset and strides, and the staging side registers and reads as
+the device side does. Rows that two cache groups overlay keep per-layer host
+buffers. Workers run the real registration, handshake and read path with a
+real NIXL agent (UCX on host DRAM), the staging copies with the CUDA
+platform's per-layer block copies.
 """
 
 from contextlib import ExitStack
@@ -45,10 +46,9 @@ from .utils import create_vllm_config
 NUM_LAYERS = 3
 PAGE_BYTES = 512
 NUM_BLOCKS = 16
-# One request per model: two runs of blocks in one group, or a run per group
-# (a block id belongs to one group at a time).
-ONE_GROUP = ([[2, 3, 4, 9, 10]], [[5, 6, 7, 12, 13]])
-TWO_GROUPS = ([[1, 2], [5, 6, 7]], [[3, 4], [9, 10, 11]])
+# One request: two runs of consecutive blocks on both sides.
+LOCAL_BLOCKS = [[2, 3, 4, 9, 10]]
+REMOTE_BLOCKS = [[5, 6, 7, 12, 13]]
 
 
 def _copy_rows(src, dst, src_indices, dst_indices):
@@ -123,12 +123,11 @@ def _worker(layout: str, groups: int, staging: bool, nixl_cls: type):
 
 
 @pytest.mark.cpu_test
-@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
-def test_staging_registers_like_the_device(layout, groups):
+def test_staging_registers_like_the_device(layout):
     nixl_cls = require_nixl()
-    device, _, _ = _worker(layout, groups, False, nixl_cls)
-    staging, _, caches = _worker(layout, groups, True, nixl_cls)
+    device, _, _ = _worker(layout, 1, False, nixl_cls)
+    staging, _, caches = _worker(layout, 1, True, nixl_cls)
     try:
         # BLHNC: one row region on both; LBNHC: a region per layer page on both.
         assert staging.num_regions == device.num_regions
@@ -152,14 +151,27 @@ def test_staging_registers_like_the_device(layout, groups):
 
 
 @pytest.mark.cpu_test
-@pytest.mark.parametrize("groups", [1, 2])
+def test_rows_of_several_groups_keep_per_layer_staging():
+    """Per-layer staging peers of such rows read a region per layer."""
+    nixl_cls = require_nixl()
+    staging, kv_cache_config, caches = _worker("BLHNC", 2, True, nixl_cls)
+    try:
+        hosts = staging.host_xfer_buffers
+        assert len(hosts) == len(caches)
+        assert len({h.untyped_storage().data_ptr() for h in hosts.values()}) > 1
+        assert staging.num_regions > 1
+    finally:
+        staging.shutdown()
+
+
+@pytest.mark.cpu_test
 @pytest.mark.parametrize(
     "p_staging,d_staging", [(True, False), (False, True), (True, True)]
 )
-def test_staged_rows_read_byte_exact(p_staging, d_staging, groups):
+def test_staged_rows_read_byte_exact(p_staging, d_staging):
     nixl_cls = require_nixl()
-    prefill, _, p_caches = _worker("BLHNC", groups, p_staging, nixl_cls)
-    decode, d_config, d_caches = _worker("BLHNC", groups, d_staging, nixl_cls)
+    prefill, _, p_caches = _worker("BLHNC", 1, p_staging, nixl_cls)
+    decode, d_config, d_caches = _worker("BLHNC", 1, d_staging, nixl_cls)
     try:
         fill_allocations(p_caches)
         zero_allocations(d_caches)
@@ -172,7 +184,7 @@ def test_staged_rows_read_byte_exact(p_staging, d_staging, groups):
         ) as validated:
             handshake(decode, prefill)
         assert validated.call_count == 1
-        local, remote = ONE_GROUP if groups == 1 else TWO_GROUPS
+        local, remote = LOCAL_BLOCKS, REMOTE_BLOCKS
         descriptors = pull_groups(decode, prefill, local, remote)
         written = 0
         for group, dst, src in zip(d_config.transfer_groups, local, remote):
@@ -182,8 +194,7 @@ def test_staged_rows_read_byte_exact(p_staging, d_staging, groups):
                 written += got.nbytes
         # The prefiller's bytes are never zero: any other one is a stray write.
         assert nonzero_bytes(d_caches) == written
-        # Whole rows, as between device rows: a descriptor per run of blocks
-        # (two runs of one group, or one run per group).
+        # Whole rows, as between device rows: a descriptor per run of blocks.
         assert descriptors == 2
     finally:
         decode.shutdown()
