@@ -213,6 +213,11 @@ CROSS_CASES: list[Pair] = [
         _stock(model="glm53-mtp", staging=True, layout="BLHNC"),
         _fork(model="glm53-mtp", staging=True),
     ),
+    # DeepSeek-V3.2 staging: the series mirrors its row (one group, the DSA
+    # indexer's pages in it) where stock stages per layer.
+    *_both_ways(
+        _stock(model="dsv32", staging=True), _fork(model="dsv32", staging=True)
+    ),
     # DeepSeek-V4 + MTP staging: several groups share the row, which both
     # trees stage per layer (the series mirrors rows of one group only).
     *_both_ways(
