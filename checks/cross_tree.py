@@ -569,7 +569,7 @@ class _Side:
 
         import torch
 
-        from checks.pairing_matrix import _clear_views, _padded_pages
+        from checks.pairing_matrix import _padded_pages
 
         _bench_path()
         from job_nixl import verify_heads_and_zero
@@ -610,6 +610,15 @@ class _Side:
                 checked += 1
                 wrong += not ok or compared != page_bytes
                 padded[d_block].zero_()
+        return self._verdict(checked, wrong)
+
+    def _verdict(self, checked: int, wrong: int) -> dict[str, Any]:
+        """The pages' counts, and whether D wrote nothing outside them.
+
+        Called once the checked pages are zeroed: any byte left is a stray.
+        """
+        from checks.pairing_matrix import _clear_views
+
         outside_clean = not any(bool(raw.any()) for raw in self.device_raws)
         return {
             "pages": checked,
@@ -620,7 +629,7 @@ class _Side:
 
     def _truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
         """D's pages of the request against P's bytes; nothing else written."""
-        from checks.pairing_matrix import _clear_views, _padded_pages
+        from checks.pairing_matrix import _padded_pages
 
         groups = self.worker.kv_cache_config.transfer_group_index_by_layer
         checked = wrong = 0
@@ -648,13 +657,7 @@ class _Side:
                 checked += 1
                 wrong += got[: len(want)] != want
                 padded[d_block].zero_()
-        outside_clean = not any(bool(raw.any()) for raw in self.device_raws)
-        return {
-            "pages": checked,
-            "wrong_pages": wrong,
-            "outside_clean": outside_clean,
-            "untouched": _clear_views(self.layout, self.worker, self.device_raws),
-        }
+        return self._verdict(checked, wrong)
 
     def digests(self, blocks: list[list[int]]) -> dict[str, str]:
         """Per layer, a digest of its pages of ``blocks`` (per group), in order."""

@@ -169,44 +169,40 @@ def _parked_note(junit: Path) -> str:
     return f"{sum(stacks.values())} cases parked ({parts})"
 
 
-def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """Real engines (``checks/e2e``) on build/vllm and build/stock.
+def _run_engine_suite(
+    suite: Suite, log: Path, env: dict[str, str], folder: str
+) -> Result:
+    """``folder``'s tests, which start real engines on build/vllm and build/stock.
 
     ``tools/cpu_ext.py install`` builds vLLM's CPU extension from the verified
     sdist on first use (cached by its inputs) and links it into both trees.
+    pytest itself imports no vLLM (--noconftest: not checks/conftest.py's fork
+    fixtures); each engine runs in a process of its own tree.
     """
     stock = stock_worktree()
     cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE), str(stock)]
     if run_logged(cmd, ROOT, log, env) != 0:
         return Result(suite.name, failed=1, note="CPU extension build failed: "
                       + tail(log, 3).replace("\n", " "))  # fmt: skip
-    # The engines run in their own processes, each on its tree; pytest itself
-    # imports no vLLM (--noconftest: not checks/conftest.py's fork fixtures).
     cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
     cenv["FORK_CPU_RUNNER"] = "standalone"  # engines run without Triton
-    res = run_pytest(suite.name, ["--noconftest", "checks/e2e"], None, 0, log,
+    res = run_pytest(suite.name, ["--noconftest", folder], None, 0, log,
                      cenv, cwd=ROOT)  # fmt: skip
-    res.note = res.note.replace("2 files", "checks/e2e")
+    res.note = res.note.replace("2 files", folder)
     return res
+
+
+def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """Real engines (``checks/e2e``), each an ``LLM`` in its own process."""
+    return _run_engine_suite(suite, log, env, "checks/e2e")
 
 
 def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """P/D served as users run it (``checks/served``): ``vllm serve`` for P and
     D on build/stock and build/vllm, vLLM's toy proxy, an HTTP client.
 
-    The servers need the CPU extension in both trees, as the e2e suite does;
-    the suite skips (naming what is missing) without the serving packages.
+    Each server gets its own PYTHONPATH (its tree, then checks/served/site)
+    from checks/served/commands.py; the suite skips (naming what is missing)
+    without the serving packages.
     """
-    stock = stock_worktree()
-    cmd = [PYTHON, "tools/cpu_ext.py", "install", str(TREE), str(stock)]
-    if run_logged(cmd, ROOT, log, env) != 0:
-        return Result(suite.name, failed=1, note="CPU extension build failed: "
-                      + tail(log, 3).replace("\n", " "))  # fmt: skip
-    # pytest imports no vLLM; each server gets its own PYTHONPATH (its tree,
-    # then checks/served/site) from checks/served/commands.py.
-    cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
-    cenv["FORK_CPU_RUNNER"] = "standalone"  # servers run without Triton
-    res = run_pytest(suite.name, ["--noconftest", "checks/served"], None, 0, log,
-                     cenv, cwd=ROOT)  # fmt: skip
-    res.note = res.note.replace("2 files", "checks/served")
-    return res
+    return _run_engine_suite(suite, log, env, "checks/served")
