@@ -216,7 +216,16 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         descs = report._trio(row["descs_per_read"], keys=("p50", "p95"))
         return [layout, report._regions(row), descs]
 
-    body, failed = [], []
+    # A series row is the exported series unless its prefix holds a patch of
+    # the project stack (never exported): such a row says so.
+    import manifest  # tools/manifest.py
+
+    project = {p.name for p in manifest.load_manifest().patches if p.stack == "project"}
+    patches = {
+        v["key"]: {name.split(" ", 1)[1] for name in v["patches"]}
+        for v in data["series"]["variants"]
+    }
+    body, failed, project_rows = [], [], 0
     for (key, pairing), rows in groups.items():
         stock = next((r for r in rows if r["variant"] == "stock"), None)
         series = rows[-1]
@@ -226,6 +235,9 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         model = f"{s['short']} {s['label']}"
         if s["synthetic_layout"] and "SYNTHETIC" not in model:
             model += " (SYNTHETIC)"
+        if patches.get(series["variant"], set()) & project:
+            model += " (PROJECT-ONLY patch)"
+            project_rows += 1
         model += f", {pairing}" if pairing else ""
         ratio = (series.get("vs_stock") or {}).get("descs_p50")
         ratio_cell = report._ratio(ratio, 3) if series["status"] == "ok" else "-"
@@ -258,6 +270,15 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
         "NIXL telemetry descCount per request's READ, over the job's replayed "
         "block lists (n/a: stock has no figure to compare with).",
+        "",
+        (
+            f"{project_rows} series rows need a PROJECT-ONLY patch (never "
+            "exported) and say so; every other series row is the exported series."
+            if project_rows
+            else "Every series row is the exported series: no PROJECT-ONLY patch "
+            "(never exported) is built."
+        )
+        + " Rows marked SYNTHETIC run a layout that no model's spec gives.",
     ]
 
 
@@ -482,6 +503,55 @@ def render_e2e(data: dict[str, Any], part: str | None) -> list[str]:
     return e2e_report.render(data)
 
 
+def render_run_costs(data: dict[str, Any], _: str | None) -> list[str]:
+    """tools/run_costs.py: each command's last run, with the main job's beside it.
+
+    The main job's JSON (``main.json``) sits beside the test command's.
+    """
+    runs = [data]
+    main_json = ROOT / "build" / "costs" / "main.json"
+    if main_json.exists():
+        runs.append(json.loads(main_json.read_text(encoding="utf-8")))
+
+    def minutes(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB"
+
+    body = []
+    for run in runs:
+        phases = run["phases"]
+        work = phases.get("tests", phases.get("job"))
+        body.append((
+            f"`{run['command']}`",
+            "yes" if run["fresh"] else "no",
+            minutes(phases.get("setup")),
+            minutes(phases.get("build")),
+            minutes(run["cpu_ext_seconds"]),
+            minutes(work),
+            minutes(phases.get("engines")),
+            f"**{minutes(run['seconds'])}**",
+            f"{gib(run['memory_peak'])} ({gib(run['memory_start'])} at the start)",
+            f"{gib(run['disk']['checkout'])} + {gib(run['disk']['caches'])}",
+            run["finished"].replace("T", " ").replace(":00Z", "").rstrip("Z"),
+        ))  # fmt: skip
+    header = ("command", "fresh clone", "set-up", "fork build", "CPU extension",
+              "tests / job", "engines", "total", "peak memory", "disk",
+              "finished")  # fmt: skip
+    return [
+        *_table(header, body),
+        "",
+        "A fresh clone's run finds no `.venv` and no `build/vllm`: it sets up "
+        "the environment, fetches and verifies the sdist and builds the CPU "
+        "extension (inside tests / engines); later runs reuse them. Memory: "
+        "the machine's `MemTotal - MemAvailable`, peak over the run, sampled "
+        "every 5 s. Disk: the checkout (`.venv` and `build/` included) + the "
+        "uv and npm download caches outside it. Machine: "
+        f"{runs[0]['cpus']} CPUs, {gib(runs[0]['memory_total'])}, no GPU.",
+    ]
+
+
 def outcome_codes(texts: Sequence[str]) -> dict[str, str]:
     """A short code per distinct outcome, by kind: R read, F failed (reported),
     H refused at the handshake, X raised out of the read path; numbered."""
@@ -555,6 +625,9 @@ SOURCES: dict[str, Source] = {
     ),
     "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
     "faults": Source(BENCH / "faults.json", "bash tools/main.sh", render_faults),
+    "run-costs": Source(
+        ROOT / "build" / "costs" / "test.json", "bash tools/test.sh", render_run_costs
+    ),
     # The test command's e2e suite (a fresh clone's run includes the build of
     # the CPU extension); bash tools/main.sh prints the same tables.
     "e2e": Source(

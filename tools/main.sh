@@ -18,9 +18,10 @@
 # read paths' prefixes and the series (tools/fault_lines.py,
 # build/bench/faults.json), then real engines end to end: prefill and decode
 # vLLM engines over NIXL on CPU, stock and series trees, each tiny model
-# (checks/e2e/driver.py, build/bench/e2e.json, ~8 min; the first run also
-# builds vLLM's CPU extension, ~15-25 min on 2 cores, which
-# tools/cpu_ext.py caches). Extra arguments go to the job (default:
+# (checks/e2e/driver.py, build/bench/e2e.json; the first run also builds
+# vLLM's CPU extension, which tools/cpu_ext.py caches). Each phase's time,
+# the peak memory and the disk go to build/costs/main.json (README's
+# run-costs table). Extra arguments go to the job (default:
 # --out build/bench --verify sample), e.g. --repeat 3, --quick, or
 # --scenarios blhnc-row --variants series.
 #
@@ -41,7 +42,14 @@ TREE=$ROOT/build/vllm
 HF_DIR=${HF_DIR:-build/hf}
 case $HF_DIR in /*) ;; *) HF_DIR=$ROOT/$HF_DIR ;; esac
 
+# Time per phase, peak memory and disk: build/costs/main.json (README).
+costs() { python3 tools/run_costs.py "$1" main "${@:2}" || true; }
+costs begin
+costs sample $$ >/dev/null 2>&1 &
+trap 'costs end $?' EXIT
+costs mark setup
 bash tools/setup_env.sh
+costs mark build
 if [[ ${FORK_NO_BUILD:-0} == 1 ]]; then
   if [[ ! -d $TREE/.git ]]; then
     echo "main: FORK_NO_BUILD=1 but there is no build/vllm; run without it once" >&2
@@ -58,6 +66,7 @@ if [[ $# == 0 ]]; then
   set -- "${BENCH_DEFAULT_ARGS[@]}"
 fi
 mkdir -p build/bench
+costs mark job
 echo "main: running $BENCH $*"
 export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
 # tools/test_site: the test command's site hooks (lifts the release's x86
@@ -92,6 +101,7 @@ parked_ok "$VPY" tools/fault_lines.py --json build/bench/faults.json
 # build/stock, the series in build/vllm) for each tiny model, with the CPU
 # extension tools/cpu_ext.py builds once and caches.
 echo
+costs mark engines
 echo "main: real engines end to end (checks/e2e/driver.py)"
 STOCK=$("$VPY" -c 'import sys; sys.path[:0] = ["tools"]
 from testrun.project_checks import stock_worktree; print(stock_worktree())')

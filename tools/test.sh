@@ -29,11 +29,19 @@ for arg in "$@"; do
 done
 
 start=$SECONDS
+# Time per phase, peak memory and disk: build/costs/test.json (README).
+costs() { python3 tools/run_costs.py "$1" test "${@:2}" || true; }
+costs begin
+costs sample $$ >/dev/null 2>&1 &
+costs mark setup
 bash tools/setup_env.sh
 if [[ $BUILD == 1 ]]; then
+  costs mark build
   "$VPY" tools/fork.py build
 fi
+costs mark tests
 rc=0
 "$VPY" tools/run_tests.py ${ARGS[@]+"${ARGS[@]}"} || rc=$?
+costs end "$rc"
 echo "test.sh: $((SECONDS - start))s in total, exit $rc"
 exit "$rc"
