@@ -426,34 +426,6 @@ def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
-def render_staging_startup(data: dict[str, Any], _: str | None) -> list[str]:
-    """tools/bench/staging_startup.py --json: a staging worker's registration."""
-    labels = {
-        "stock": "stock (per-layer buffers)",
-        "fork": "this PR (mirror, torch.empty)",
-        "fork+zeros": "mirror with torch.zeros",
-    }
-    rows = [
-        (
-            labels.get(variant, variant),
-            f"{m['reg_s']:.3f}",
-            f"{m['d_rss']:.3f}",
-            m["regions"],
-        )
-        for variant, m in data["median"].items()
-    ]
-    first = data["runs"][0]
-    return _table(
-        ("variant", "register_kv_caches s", "RSS growth GiB", "regions"), rows
-    ) + [
-        "",
-        f"{data['layout']}, {first['num_blocks']:,} blocks of "
-        f"{first['row_bytes']:,} B ({first['host_gib']:.2f} GiB of host "
-        f"staging), real NIXL over UCX; median of {data['repeats']} fresh "
-        "processes. SYNTHETIC: no GPU, the device KV is host DRAM.",
-    ]
-
-
 def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
     """tools/bench/posting_cost.py --json: the worker's CPU per READ."""
     labels = list(data["trees"])
@@ -640,12 +612,6 @@ SOURCES: dict[str, Source] = {
         "--tree after=build/prefixes/0004-nixl-posting-cost "
         "--json build/bench/posting_cost.json",
         render_posting_cost,
-    ),
-    "staging-startup": Source(
-        BENCH / "staging_startup.json",
-        ".venv/bin/python tools/bench/staging_startup.py "
-        "--json build/bench/staging_startup.json",
-        render_staging_startup,
     ),
 }
 
