@@ -351,40 +351,6 @@ def render_allocator_step(rows: list[dict[str, Any]], _: str | None) -> list[str
     ]
 
 
-def render_exported_bench(data: dict[str, Any], _: str | None) -> list[str]:
-    """tools/bench_series.sh: the exported benchmark on stock and the fork."""
-    if data.get("schema") != "bench-series/1":
-        raise ValueError(f"schema {data.get('schema')!r}, want 'bench-series/1'")
-
-    def pair(values: list[float], fmt: str) -> str:
-        return f"{values[0]:{fmt}} / {values[1]:{fmt}}"
-
-    body = [
-        (r["layout"], f"stock {VLLM_VERSION}" if r["tree"] == "stock" else "series",
-         "{} / {}".format(*r["regions"]), r["reads"], pair(r["descs"], ",.0f"),
-         pair(r["floor"], ",.0f"), pair(r["done_ms"], ",.2f"),
-         f"{r['cold_ms']:,.2f}", "match" if r["ok"] else "MISMATCH")
-        for r in data["rows"]
-    ]  # fmt: skip
-    header = ("layout", "tree", "regions P / D", "READs", "descs/READ p50 / p95",
-              "list floor p50 / p95", "done ms p50 / p95",
-              "cold READ ms (median of rounds)", "bytes")  # fmt: skip
-    return [
-        data["setup"],
-        "",
-        *_table(header, body),
-        "",
-        "descs/READ: NIXL telemetry descCount. List floor: the fewest descriptors "
-        "the READ's block lists allow on the layout (per span of adjacent pages: "
-        "one per run of blocks consecutive on both sides if the span is dense, else "
-        "one per block). Done: from the call into `_read_blocks_for_req` until NIXL "
-        "reports the READ DONE; timings on a shared 2-core machine are noisy. Cold "
-        "READ: each run's first READ, kept out of the distributions. Bytes: every "
-        "READ's decoder pages compared with the prefiller's, the decoder scanned "
-        "for stray bytes after the cold and the last READ of each run.",
-    ]
-
-
 def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
     """Each cross-tree pair next to stock + stock of the same configurations."""
     results = data["results"]
@@ -579,11 +545,6 @@ SOURCES: dict[str, Source] = {
     ),
     "rolling-upgrade": Source(
         BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_rolling_upgrade
-    ),
-    "exported-bench": Source(
-        BENCH / "bench_nixl_descriptors.json",
-        "bash tools/bench_series.sh",
-        render_exported_bench,
     ),
     "allocator": Source(
         BENCH / "block_pool_alloc.json",
