@@ -218,8 +218,9 @@ CROSS_CASES: list[Pair] = [
     *_both_ways(
         _stock(model="dsv32", staging=True), _fork(model="dsv32", staging=True)
     ),
-    # DeepSeek-V4 + MTP staging: several groups share the row, which both
-    # trees stage per layer (the series mirrors rows of one group only).
+    # DeepSeek-V4 + MTP staging: several groups share the row, whose padded
+    # pages the series' mirror advertises as stock's per-layer staging
+    # registers them (the copy's bytes, without the alignment padding).
     *_both_ways(
         _stock(model="dsv4-mtp", staging=True), _fork(model="dsv4-mtp", staging=True)
     ),

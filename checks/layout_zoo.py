@@ -170,8 +170,8 @@ dsv4-mtp/BLHNC                    1        6       The same plus the MTP layer (
                                                    SWA cache, ``is_draft``).
 dsv4-mtp+host-staging/BLHNC       27       6       ``kv_buffer_device="cpu"``: one
                                                    dense host region per layer view
-                                                   (the groups share the rows, so
-                                                   the fork stages per layer too).
+                                                   (the series: 1, a host row that
+                                                   mirrors the device row).
 dsv41/BLHNC                       2        7       DeepSeek-V4.1-Flash, 5 layers
                                                    (upstream's mono-layer topology) on
                                                    SM100: SWA caches (32-token

@@ -45,6 +45,11 @@ LAYOUTS = [
     param("glm53-mtp/LBNHC", 10),
     param("glm53-mtp+host-staging/BLHNC", 1, patches=("nixl-mirrored-host-staging",)),
     param("dsv4-mtp/BLHNC", 1, patches=("nixl-ordered-transfers",)),
+    param(
+        "dsv4-mtp+host-staging/BLHNC",
+        1,
+        patches=("nixl-ordered-transfers", "nixl-mirrored-host-staging"),
+    ),
     param("dsv41/BLHNC", 2, patches=("nixl-ordered-transfers",)),
 ]
 # The sorted policy is the block pool's (``sort_new_blocks``): its patch.

@@ -21,6 +21,7 @@ from checks.layout_zoo import (
     model_family,
     zero,
 )
+from checks.parked import is_parked
 
 pytestmark = pytest.mark.cpu_test
 
@@ -30,8 +31,12 @@ pytestmark = pytest.mark.cpu_test
 MODEL_ROWS = {
     "dsv4/BLHNC": (1, 6),
     "dsv4-mtp/BLHNC": (1, 6),
-    # Per-layer staging: one dense host region per layer view.
-    "dsv4-mtp+host-staging/BLHNC": (27, 6),
+    # The series' staging mirrors the row (stock: a dense host region per
+    # layer view, 27).
+    "dsv4-mtp+host-staging/BLHNC": (
+        27 if is_parked("nixl-mirrored-host-staging") else 1,
+        6,
+    ),
     # 0.34.0 keys regions by (address, length): the compressor ring (32 KiB
     # pages) at byte 0 of the row is a region of its own.
     "dsv41/BLHNC": (2, 7),

@@ -6,10 +6,12 @@ With ``kv_buffer_device="cpu"`` the worker stages KV blocks in host memory. An
 MLA cache of one transfer group laid out block-outermost (BLHNC) is one row
 allocation, so the host side mirrors it: every layer's host view has its
 device view's offset and strides, and the staging side registers and reads as
-the device side does. Rows that two cache groups overlay keep per-layer host
-buffers. Workers run the real registration, handshake and read path with a
-real NIXL agent (UCX on host DRAM), the staging copies with the CUDA
-platform's per-layer block copies.
+the device side does, also where several cache groups share the row. A padded
+page (an MLA spec's ``alignment``) is advertised as the staging copy fills it,
+so the mirror pairs with the release's per-layer staging both ways. Workers
+run the real registration, handshake and read path with a real NIXL agent
+(UCX on host DRAM), the staging copies with the CUDA platform's per-layer
+block copies.
 """
 
 from contextlib import ExitStack
@@ -66,8 +68,11 @@ def _cuda_block_copies():
         yield
 
 
-def _plan(layout: str, groups: int):
-    """Planner-built MLA caches: one group, or full and sliding-window layers."""
+def _plan(layout: str, groups: int, alignment: int | None = None):
+    """Planner-built MLA caches: one group, or full and sliding-window layers.
+
+    ``alignment`` pads each page to a multiple of it (DeepSeek-V4's caches).
+    """
     config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
     config.cache_config.kv_cache_layout = layout
     config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
@@ -77,6 +82,7 @@ def _plan(layout: str, groups: int):
         num_kv_heads=1,
         head_size=PAGE_BYTES // BLOCK_SIZE,
         dtype=torch.uint8,
+        alignment=alignment,
     )
     specs = [
         {
@@ -98,9 +104,19 @@ def _plan(layout: str, groups: int):
     return kv_cache_config, caches
 
 
-def _worker(layout: str, groups: int, staging: bool, nixl_cls: type):
-    """A registered pull worker; a staging one stages as a GPU platform does."""
-    kv_cache_config, caches = _plan(layout, groups)
+def _worker(
+    layout: str,
+    groups: int,
+    staging: bool,
+    nixl_cls: type,
+    alignment: int | None = None,
+    mirror: bool = True,
+):
+    """A registered pull worker; a staging one stages as a GPU platform does.
+
+    ``mirror=False``: per-layer host buffers, as the release stages.
+    """
+    kv_cache_config, caches = _plan(layout, groups, alignment)
 
     def configure(config):
         if staging:
@@ -114,6 +130,14 @@ def _worker(layout: str, groups: int, staging: bool, nixl_cls: type):
                 patch.object(platform, "discover_numa_topology", return_value=[])
             )
             stack.enter_context(patch.object(platform, "device_type", "cuda"))
+        if not mirror:
+            stack.enter_context(
+                patch.object(
+                    bw.NixlBaseConnectorWorker,
+                    "_mirror_host_xfer_buffers",
+                    return_value=False,
+                )
+            )
         worker = make_worker(
             kv_cache_config, caches, layout, nixl_cls, configure=configure
         )
@@ -151,17 +175,41 @@ def test_staging_registers_like_the_device(layout):
 
 
 @pytest.mark.cpu_test
-def test_rows_of_several_groups_keep_per_layer_staging():
-    """Per-layer staging peers of such rows read a region per layer."""
+@pytest.mark.parametrize("p_mirror,d_mirror", [(True, False), (False, True)])
+def test_padded_rows_of_two_groups_pair_with_per_layer_staging(p_mirror, d_mirror):
+    """Full and sliding-window layers share a row of padded pages (576 B of
+    data in 640 B slots, as DeepSeek-V4's); a mirror of that row reads and is
+    read by per-layer staging byte-exact, and never sends a page's padding."""
     nixl_cls = require_nixl()
-    staging, kv_cache_config, caches = _worker("BLHNC", 2, True, nixl_cls)
+    args = ("BLHNC", 2, True, nixl_cls, PAGE_BYTES + 128)
+    prefill, _, p_caches = _worker(*args, mirror=p_mirror)
+    decode, d_config, d_caches = _worker(*args, mirror=d_mirror)
     try:
-        hosts = staging.host_xfer_buffers
-        assert len(hosts) == len(caches)
-        assert len({h.untyped_storage().data_ptr() for h in hosts.values()}) > 1
-        assert staging.num_regions > 1
+        mirror = prefill if p_mirror else decode
+        assert mirror.num_regions == 1
+        hosts = mirror.host_xfer_buffers
+        assert len({h.untyped_storage().data_ptr() for h in hosts.values()}) == 1
+        per_layer = decode if p_mirror else prefill
+        assert per_layer.num_regions == len(p_caches)
+        # Whole device rows on both sides: staging only changes the host side.
+        fill_allocations(p_caches)
+        zero_allocations(d_caches)
+        handshake(decode, prefill)
+        # The groups' layers overlay each other's pages: each group its blocks.
+        local = [*LOCAL_BLOCKS, [0, 1, 11, 14, 15]]
+        remote = [*REMOTE_BLOCKS, [0, 1, 8, 9, 10]]
+        pull_groups(decode, prefill, local, remote)
+        written = 0
+        for group, dst, src in zip(d_config.transfer_groups, local, remote):
+            for name in group.layer_names:
+                got = d_caches[name][dst]
+                assert torch.equal(got, p_caches[name][src]), name
+                written += got.nbytes
+        # Not a byte more than the pages: no padding, no other block.
+        assert nonzero_bytes(d_caches) == written
     finally:
-        staging.shutdown()
+        decode.shutdown()
+        prefill.shutdown()
 
 
 @pytest.mark.cpu_test

@@ -101,6 +101,13 @@ def _staging_worker(kv_role: str):
         )
         # A CPU platform never stages; stage as an accelerator platform does.
         stack.enter_context(patch.object(platform, "device_type", "cuda"))
+        # One host buffer per layer, as staging keeps where it cannot mirror
+        # the device allocation (GQA hybrids): the copies' scope is the test.
+        stack.enter_context(
+            patch.object(
+                NixlPullConnectorWorker, "_mirror_host_xfer_buffers", return_value=False
+            )
+        )
         worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
         worker.use_mla = True
         worker.register_kv_caches(caches)
