@@ -63,15 +63,17 @@ def _quote(word: str) -> str:
     return shlex.quote(word)
 
 
-def kv_transfer_config(role: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": KV_ROLES[role],
-            "kv_buffer_device": "cpu",
-        },
-        separators=(",", ":"),
-    )
+def kv_transfer_config(role: str, policy: str | None = None) -> str:
+    """NixlConnector's config; ``policy``: ``kv_load_failure_policy`` (0.34.0's
+    default, "fail", when None)."""
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": KV_ROLES[role],
+        "kv_buffer_device": "cpu",
+    }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return json.dumps(config, separators=(",", ":"))
 
 
 def num_blocks(model: TinyModel) -> int:
@@ -87,12 +89,14 @@ def serve(
     side_channel_port: int | str,
     site: str = SITE,
     python: str = PYTHON,
+    policy: str | None = None,
 ) -> Command:
     """``vllm serve`` for one side of a P/D pair, on the CPU platform.
 
     ``tree`` is the vLLM that runs (``build/vllm``: the series;
     ``build/stock``: stock 0.34.0), first on ``PYTHONPATH``; ``site`` is the
-    test site that lifts 0.34.0's x86 Triton gate (``tools/test_site``).
+    test site that lifts 0.34.0's x86 Triton gate (``tools/test_site``);
+    ``policy``: the decoder's ``kv_load_failure_policy``.
     """
     env = {
         "PYTHONPATH": f"{tree}:{site}",
@@ -118,7 +122,7 @@ def serve(
         "--block-size", str(model.block_size),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
         "--num-gpu-blocks-override", str(num_blocks(model)),
-        "--kv-transfer-config", kv_transfer_config(role),
+        "--kv-transfer-config", kv_transfer_config(role, policy),
     ]  # fmt: skip
     return Command(env, argv)
 

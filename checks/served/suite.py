@@ -28,8 +28,12 @@ series + series):
 3. a negative control on the series Llama pair: the client, doing the
    proxy's two steps itself, points the decoder at another prompt's blocks,
    which must change the tokens;
-4. faults (``run_faults``), each with the client-visible outcome written
-   down before it is checked.
+4. faults on the Llama (``FAULTS``), each with the client-visible outcome
+   written down before it is checked: the prefiller killed before the
+   decoder's READ and during it, under both ``kv_load_failure_policy``
+   values, and the decoder killed. The cases during the READ get two servers
+   of their own (a prefiller and a "recompute" decoder, UCX over TCP only),
+   started once the Llama's stock servers are gone.
 
 Every server and proxy runs in its own process group; all are stopped at the
 end, also when a check fails. ``python -m checks.served.suite --json PATH``
@@ -47,6 +51,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -86,6 +91,7 @@ PLAN: list[tuple[TinyModel, list[tuple[str, str]]]] = [
     (DEEPSEEK_V2, SAME),
     (LLAMA_HYBRID, SAME),
 ]
+
 
 # What the client sees (``Outcome.kind``).
 COMPLETION = "completion"  # 200 with a completion body
@@ -133,6 +139,18 @@ def _group_pids(pgid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return pids
+
+
+def _group_thread_states(pgid: int) -> list[str]:
+    """The state letter of every thread of every process in group ``pgid``."""
+    states = []
+    for pid in _group_pids(pgid):
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+    return states
 
 
 def _group_alive(pgid: int) -> bool:
@@ -240,6 +258,9 @@ class Process:
                     os.kill(pid, signal.SIGKILL)
             except OSError:
                 continue
+        # A group stopped by ``sigstop``: the tracker resumes to clean up.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
         self.proc.wait()
         deadline = time.monotonic() + 10
         while _group_alive(self.proc.pid) and time.monotonic() < deadline:
@@ -248,6 +269,25 @@ class Process:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         _unlink_orphans(shm)
+
+    def sigstop(self, timeout: float = 10.0) -> int:
+        """SIGSTOP the process group; wait until every thread has stopped.
+
+        ``killpg`` returns before the threads stop; a READ posted in that
+        window could be served. Returns the number of stopped threads.
+        """
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while True:
+            states = _group_thread_states(self.proc.pid)
+            if states and all(s in "Tt" for s in states):
+                return len(states)
+            if time.monotonic() > deadline:
+                raise ServedError(
+                    f"{self.name}: not stopped {timeout:.0f} s after SIGSTOP "
+                    f"(thread states {''.join(sorted(states))})"
+                )
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever is left."""
@@ -258,6 +298,7 @@ class Process:
         if _group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
+                os.killpg(pgid, signal.SIGCONT)  # a stopped group, too
             deadline = time.monotonic() + 15
             while _group_alive(pgid) and time.monotonic() < deadline:
                 self.proc.poll()
@@ -272,20 +313,28 @@ class Process:
 
 
 class Server(Process):
-    """``vllm serve`` of one tree and role, with its per-READ log directory."""
+    """``vllm serve`` of one tree and role, with its per-READ log directory.
 
-    def __init__(self, model: TinyModel, role: str, tree_name: str) -> None:
+    ``tag`` names a server beside the model's pair (the fault servers);
+    ``policy``: the decoder's ``kv_load_failure_policy``; ``env``: more
+    environment (``UCX_TLS``).
+    """
+
+    def __init__(self, model: TinyModel, role: str, tree_name: str, tag: str = "",
+                 policy: str | None = None,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         port, side = free_port(), free_port()
-        name = f"{model.name}-{role}-{tree_name}"
+        name = f"{model.name}-{role}-{tree_name}{tag}"
         self.reads_dir = OUT_DIR / "reads" / name
         self.reads_dir.mkdir(parents=True, exist_ok=True)
         for old in self.reads_dir.glob("*.jsonl"):
             old.unlink()
         cmd = commands.serve(
             model, str(make(model)), role, str(TREES[tree_name]), port, side,
-            site=str(SITE), python=sys.executable,
+            site=str(SITE), python=sys.executable, policy=policy,
         )  # fmt: skip
-        super().__init__(name, cmd, port, {"SERVED_READS_DIR": str(self.reads_dir)})
+        env = {"SERVED_READS_DIR": str(self.reads_dir), **(env or {})}
+        super().__init__(name, cmd, port, env)
         self.model_path = str(make(model))
         self.tree = tree_name
         self.role = role
@@ -600,6 +649,36 @@ FAULTS = {
         "completion), and then serves the next P/D request (series P) with "
         "the oracle's tokens",
     },
+    "prefill-killed-before-read-recompute": {
+        "setup": "before the kill above, the stock prefiller also computes "
+        "another long prompt (do_remote_decode); a series decoder with "
+        "kv_load_failure_policy 'recompute' (UCX over TCP only), which has "
+        "never reached that prefiller, then gets it with P's "
+        "kv_transfer_params",
+        "expected": "the decoder answers 200 within the bounded wait with "
+        "the oracle's tokens (the single engine's): its handshake with the "
+        "dead prefiller fails and it computes the prompt itself",
+    },
+    "prefill-killed-during-read": {
+        "setup": "a series prefiller of its own (UCX_TLS=tcp,self: over TCP "
+        "a READ waits for the peer's progress thread, where shared memory or "
+        "CMA would copy from a stopped process) has made the NIXL handshake "
+        "with the series decoder and with the 'recompute' decoder (the "
+        "client doing the proxy's two steps); it computes a long prompt for "
+        "each, its process group is SIGSTOPped, both decoders get their "
+        "request with P's kv_transfer_params and have not answered 3 s "
+        "later (their READs wait), then the group is SIGKILLed",
+        "expected": "the series decoder (kv_load_failure_policy 'fail', "
+        "0.34.0's default) answers HTTP 500 within the bounded wait: the "
+        "READ in flight fails when the prefiller dies and the request "
+        "fails, no partial completion",
+    },
+    "prefill-killed-during-read-recompute": {
+        "setup": "the case above, on the 'recompute' decoder: the same "
+        "prefiller, stopped with both READs pending, then killed",
+        "expected": "the decoder answers 200 within the bounded wait with "
+        "the oracle's tokens: it computes the blocks whose READ failed",
+    },
     "decode-killed": {
         "setup": "the stock decoder's process group is killed, then the "
         "client sends the long prompt to the proxy of series P -> stock D",
@@ -634,6 +713,112 @@ def fault_prefill_killed(servers: dict[tuple[str, str], Server], proxies: dict,
         and after_tokens is not None and after_tokens[0] == oracle,
         next_request_equal=after_tokens is not None and after_tokens[0] == oracle,
     )  # fmt: skip
+
+
+# Prompt variants of the READ faults (run_model takes 0 to 3): prompts no
+# decoder has cached, so each READ covers the whole prompt.
+BEFORE_VARIANT, DURING_VARIANT = 4, 5
+TCP_ONLY = {"UCX_TLS": "tcp,self"}
+
+
+def prepare_read_faults(p: Server) -> dict[str, Any]:
+    """On the stock prefiller, before it is killed: the READ faults' prompts,
+    their oracle (the single engine) and, for killed-before-read under
+    "recompute", P's kv_transfer_params."""
+    ps = {"before": variant(BEFORE_VARIANT)["long"],
+          "during": variant(DURING_VARIANT)["long"]}  # fmt: skip
+    oracle = _single(p, ps)
+    params = prefill_only(p, ps["before"], "fault: long (recompute)")
+    return {"prompts": ps, "oracle": oracle, "before_params": params}
+
+
+def start_fault_servers(f: Fleet) -> tuple[Server, Server]:
+    """The Llama's series prefiller and "recompute" decoder, over TCP only."""
+    p = f.add(Server(LLAMA, "prefill", "series", "-tcp", env=TCP_ONLY))
+    d = f.add(Server(LLAMA, "decode", "series", "-recompute", policy="recompute",
+                     env=TCP_ONLY))  # fmt: skip
+    wait_all([p, d])
+    return p, d  # type: ignore[return-value]
+
+
+def _handshake_direct(p: Server, d: Server) -> int:
+    """The proxy's two steps by the client until D counts a READ from P."""
+    for tries in range(1, HANDSHAKE_TRIES + 1):
+        prompt = [8 + tries] * 40  # a prompt D has not cached
+        count = d.metrics().get(COUNT, 0.0)
+        params = prefill_only(p, prompt, f"handshake with {d.name}")
+        body = commands.completion_request(d.model_path, prompt, 1)
+        body["kv_transfer_params"] = params
+        res = post(d.url, body, REQUEST_TIMEOUT)
+        if res["kind"] == COMPLETION and wait_reads(d, COUNT, count + 1).get(
+            COUNT, 0.0
+        ) > count:  # fmt: skip
+            return tries
+    raise ServedError(f"{d.name}: no READ from {p.name} in {HANDSHAKE_TRIES} tries")
+
+
+def _seen(res: dict[str, Any]) -> dict[str, Any]:
+    return {k: res.get(k) for k in ("kind", "status", "body", "seconds")}
+
+
+def _decode_in_thread(d: Server, prompt: list[int], params: dict[str, Any]) -> Any:
+    """Send D the request now; the thread ends with the client's answer."""
+    body = commands.completion_request(d.model_path, prompt, MAX_TOKENS)
+    body["kv_transfer_params"] = params
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        box.update(post(d.url, body, FAULT_TIMEOUT), done_at=time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def read_faults(p: Server, d_recompute: Server, d_fail: Server,
+                prep: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """Killed before the READ ("recompute"), then during it (both policies)."""
+    cases = []
+    name = "prefill-killed-before-read-recompute"
+    body = commands.completion_request(p.model_path, prep["prompts"]["before"],
+                                       MAX_TOKENS)  # fmt: skip
+    body["kv_transfer_params"] = prep["before_params"]
+    res = post(d_recompute.url, body, FAULT_TIMEOUT)
+    toks = tokens_of(res)
+    cases.append(dict(
+        FAULTS[name], case=name, prefill="stock", decode="series (recompute)",
+        seen=_seen(res), ok=toks is not None and toks[0] == prep["oracle"]["before"],
+    ))  # fmt: skip
+    decoders = {"fail": d_fail, "recompute": d_recompute}
+    tries = {policy: _handshake_direct(p, d) for policy, d in decoders.items()}
+    prompt = prep["prompts"]["during"]
+    params = {policy: prefill_only(p, prompt, f"fault: long ({policy})")
+              for policy in decoders}  # fmt: skip
+    stopped = p.sigstop()
+    calls = {policy: _decode_in_thread(d, prompt, params[policy])
+             for policy, d in decoders.items()}  # fmt: skip
+    time.sleep(3.0)
+    pending = {policy: thread.is_alive() for policy, (thread, _) in calls.items()}
+    killed_at = time.monotonic()
+    p.kill()
+    oracle = prep["oracle"]["during"]
+    for policy, (thread, box) in calls.items():
+        thread.join(FAULT_TIMEOUT + 10)
+        name = "prefill-killed-during-read" + ("" if policy == "fail" else "-recompute")
+        toks = tokens_of(box) if box else None
+        if policy == "fail":
+            ok = box.get("kind") == HTTP_ERROR and box.get("status") == 500
+        else:
+            ok = toks is not None and toks[0] == oracle
+        cases.append(dict(
+            FAULTS[name], case=name, prefill="series (tcp)",
+            decode="series" + ("" if policy == "fail" else " (recompute)"),
+            seen=_seen(box), handshake_tries=tries[policy],
+            prefill_threads_stopped=stopped, pending_before_kill=pending[policy],
+            seconds_after_kill=round(box["done_at"] - killed_at, 2) if box else None,
+            ok=pending[policy] and ok,
+        ))  # fmt: skip
+    return cases
 
 
 def fault_decode_killed_start(servers: dict[tuple[str, str], Server],
@@ -673,9 +858,11 @@ def fault_decode_killed_finish(p: Server, case: dict[str, Any]) -> dict[str, Any
 def run_all() -> dict[str, Any]:
     """The models one after another (four servers at a time, ~1.6 GB each).
 
-    The decoder-killed fault waits for the prefiller's lease while the next
-    model's servers start. Every process is stopped when its model is done,
-    and all of them (again: ``stop`` is idempotent) when the run ends.
+    The Llama's READ-fault servers start once its stock servers are gone
+    (four servers then). The decoder-killed fault waits for the prefiller's
+    lease while they run and the next model's servers start. Every process
+    is stopped when its model is done, and all of them (again: ``stop`` is
+    idempotent) when the run ends.
     """
     begin = time.monotonic()
     for tree in TREES.values():
@@ -698,7 +885,7 @@ def run_all() -> dict[str, Any]:
     pending: dict[str, Any] | None = None
     holder: Server | None = None
     with fleet() as f:
-        for i, (model, pairs) in enumerate(PLAN):
+        for model, pairs in PLAN:
             servers, proxies = timed(f"start {model.name}", start, f, model, pairs)
             if pending is not None and holder is not None:
                 out["faults"].append(fault_decode_killed_finish(holder, pending))
@@ -707,13 +894,25 @@ def run_all() -> dict[str, Any]:
             res = timed(f"requests {model.name}", run_model, model, servers, proxies)
             out["models"].append(res)
             keep: set[Process] = set()
-            if i == 0:
+            if model is LLAMA:
                 oracle = res["oracle_tokens"]["long"]
+                prep = prepare_read_faults(servers["prefill", "stock"])
                 out["faults"].append(fault_prefill_killed(servers, proxies, oracle))
                 pending = fault_decode_killed_start(servers, proxies)
-                # P keeps running (its lease runs out meanwhile).
+                # P keeps running (its lease runs out meanwhile); series D
+                # is the "fail" decoder of the READ faults.
                 holder = servers["prefill", "series"]
+                d_fail = servers["decode", "series"]
                 keep.add(holder)
+                for proc in [*servers.values(), *proxies.values()]:
+                    if proc not in (holder, d_fail):
+                        proc.stop()
+                p, d = timed(f"start {model.name} fault servers",
+                             start_fault_servers, f)  # fmt: skip
+                out["faults"] += timed(f"faults {model.name}", read_faults, p, d,
+                                       d_fail, prep)  # fmt: skip
+                p.stop()
+                d.stop()
             for proc in [*servers.values(), *proxies.values()]:
                 if proc not in keep:
                     proc.stop()

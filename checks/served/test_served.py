@@ -12,7 +12,9 @@ series, each in its own process group) and asserts on what it returns:
   the same requests;
 * a mixed pair (stock P + series D and the reverse) serves the oracle;
 * a decoder pointed at another prompt's blocks gives other tokens;
-* the faults end as written down before the run (``suite.FAULTS``).
+* the faults end as written down before the run (``suite.FAULTS``): the
+  prefiller killed before and during the decoder's READ under both
+  ``kv_load_failure_policy`` values, the decoder killed.
 
 Results: ``build/served/served.json``; ``python -m checks.served.report``
 renders the page ``project-docs/served.md`` from it.
