@@ -39,6 +39,13 @@ Every server and proxy runs in its own process group; all are stopped at the
 end, also when a check fails. ``python -m checks.served.suite --json PATH``
 runs everything; ``checks/served/test_served.py`` asserts on the result and
 ``python -m checks.served.report`` renders the page.
+
+``SERVED_ONLY`` runs less (the mutations suite's served break): a comma list
+of ``MODEL`` or ``MODEL:P+D`` (``llama-gqa:series+series``), without the
+negative control and the faults; a model whose oracle is the single engine
+still gets a stock prefiller for it. ``SERVED_OUT`` moves the results and
+logs (``build/served`` by default); ``SERIES_TREE`` and ``STOCK_TREE`` pick
+the trees.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ TREES = {
     "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
     "series": Path(os.environ.get("SERIES_TREE", ROOT / "build" / "vllm")),
 }
-OUT_DIR = ROOT / "build" / "served"
+OUT_DIR = Path(os.environ.get("SERVED_OUT", ROOT / "build" / "served"))
 SITE = Path(__file__).resolve().parent / "site"
 MAX_TOKENS = 16
 START_TIMEOUT = 420.0  # eight servers starting at once on 2 cores
@@ -86,12 +93,46 @@ LEASE_TIMEOUT = 120.0
 # both ways), the others stock + stock and series + series.
 SAME = [("stock", "stock"), ("series", "series")]
 MIXED = [("stock", "series"), ("series", "stock")]
-PLAN: list[tuple[TinyModel, list[tuple[str, str]]]] = [
+FULL_PLAN: list[tuple[TinyModel, list[tuple[str, str]]]] = [
     (LLAMA, SAME + MIXED),
     (DEEPSEEK_V2, SAME),
     (LLAMA_HYBRID, SAME),
 ]
 
+
+def select_plan(only: str) -> list[tuple[TinyModel, list[tuple[str, str]]]]:
+    """``FULL_PLAN`` reduced to ``only`` (``SERVED_ONLY``; empty: all of it)."""
+    if not only.strip():
+        return FULL_PLAN
+    wanted: dict[str, set[tuple[str, str]] | None] = {}
+    for item in filter(None, (w.strip() for w in only.split(","))):
+        name, _, pair = item.partition(":")
+        if not pair:
+            wanted[name] = None
+            continue
+        p, _, d = pair.partition("+")
+        got = wanted.setdefault(name, set())
+        if got is not None:
+            got.add((p, d))
+    plan = []
+    for model, pairs in FULL_PLAN:
+        if model.name not in wanted:
+            continue
+        keep = wanted.pop(model.name)
+        chosen = [pair for pair in pairs if keep is None or pair in keep]
+        if keep is not None and len(chosen) != len(keep):
+            raise ValueError(f"SERVED_ONLY: {model.name} serves {pairs}, not {keep}")
+        if model.oracle == "stock-pd" and ("stock", "stock") not in chosen:
+            raise ValueError(f"SERVED_ONLY: {model.name}'s oracle is stock+stock")
+        plan.append((model, chosen))
+    if wanted:
+        raise ValueError(f"SERVED_ONLY: no model {sorted(wanted)}")
+    return plan
+
+
+PLAN = select_plan(os.environ.get("SERVED_ONLY", ""))
+# The negative control and the faults need the Llama's four servers.
+FULL = PLAN == FULL_PLAN
 
 # What the client sees (``Outcome.kind``).
 COMPLETION = "completion"  # 200 with a completion body
@@ -475,6 +516,9 @@ def start_model(
         for tree in trees
         for role in ("prefill", "decode")
     }
+    if model.oracle == "single" and ("prefill", "stock") not in servers:
+        # The oracle (a reduced run): stock's prefiller as a single engine.
+        servers["prefill", "stock"] = f.add(Server(model, "prefill", "stock"))
     proxies = {
         (pt, dt): f.add(Proxy(servers["prefill", pt], servers["decode", dt]))
         for pt, dt in pairings
@@ -554,6 +598,7 @@ def run_model(
         single = {
             tree: _single(servers["prefill", tree], variant(0))
             for tree in ("stock", "series")
+            if ("prefill", tree) in servers
         }
         oracles[0] = single["stock"]
         result["single"] = single
@@ -598,7 +643,7 @@ def run_model(
         pairing["hook_reads"] = d.reads()[reads_before:]
         result["pairings"].append(pairing)
     result["oracle_tokens"] = oracles[0]
-    if model is LLAMA:
+    if model is LLAMA and FULL:
         # Stock P (killed by the first fault next) -> series D, on a variant
         # neither has served.
         k = mixed + 1
@@ -894,7 +939,7 @@ def run_all() -> dict[str, Any]:
             res = timed(f"requests {model.name}", run_model, model, servers, proxies)
             out["models"].append(res)
             keep: set[Process] = set()
-            if model is LLAMA:
+            if model is LLAMA and FULL:
                 oracle = res["oracle_tokens"]["long"]
                 prep = prepare_read_faults(servers["prefill", "stock"])
                 out["faults"].append(fault_prefill_killed(servers, proxies, oracle))

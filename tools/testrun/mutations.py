@@ -1,17 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """The mutations suite: each exported test file must fail on a fork with one
 deliberate break (``MUTATIONS``), two breaks at a time in worktrees of their
-own.
+own; and the served suite must fail on servers of a fork whose decoder reads
+the wrong blocks (``SERVED_MUTATION``).
 """
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from fork import ROOT
 
 from testrun.common import (
     PYTHON,
+    RESULTS,
     Result,
     add_worktree,
     pythonpath,
@@ -184,6 +187,22 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
 ]
 
 
+# The served suite's break: the decoder's READ takes the prefiller's blocks in
+# reverse order (the same ids, so they pass the remote-block-id checks; the
+# KV lands in the wrong blocks). A reduced served run (``SERVED_ONLY``: the
+# Llama, series P -> series D through the proxy, and stock's prefiller for the
+# single-engine oracle) on servers of the mutated tree must fail, on its
+# token-equality test only: (test file, file of the fork, text, replacement).
+SERVED_MUTATION = (
+    "checks/served/test_served.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
+    "remote_physical_ids = group_ids(meta.remote.block_ids, rank)",
+    "remote_physical_ids = [g[::-1] for g in group_ids(meta.remote.block_ids, rank)]",
+)
+SERVED_ONLY = "llama-gqa:series+series"
+SERVED_CATCHES = "test_completions_equal_oracle["
+
+
 # Exported test files that skip without a CUDA GPU: no break can fail them
 # here.
 GPU_ONLY = frozenset(
@@ -223,11 +242,52 @@ def unmutated_test_files() -> list[str]:
     ]
 
 
-def run_mutations(log: Path, env: dict[str, str]) -> Result:
-    """Each exported test file fails on a fork with its deliberate break.
+def served_break(worktree: Path, part: Path, env: dict[str, str]) -> str | None:
+    """The reduced served run on servers of ``worktree`` (mutated): None when
+    it fails on the token-equality test only, else what went otherwise.
 
-    Two breaks run at a time (one per core), each in a worktree of its own;
-    every pytest run writes its own log, appended to ``log`` in order.
+    The worktree gets the CPU extension (``tools/cpu_ext.py install``: the
+    cached build, linked; an ignored file) for the run, and loses it after.
+    """
+    from testrun.project_checks import stock_worktree
+
+    stock = stock_worktree()
+    trees = [worktree] + ([] if list((stock / "vllm").glob("_C*.so")) else [stock])
+    try:
+        if run_logged([PYTHON, "tools/cpu_ext.py", "install", *map(str, trees)],
+                      ROOT, part, env):  # fmt: skip
+            return "CPU extension install failed"
+        junit = RESULTS / "mutations-served.xml"
+        junit.unlink(missing_ok=True)
+        senv = dict(
+            env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock),
+            SERIES_TREE=str(worktree), SERVED_ONLY=SERVED_ONLY,
+            SERVED_OUT=str(ROOT / "build" / "served-mutant"),
+            FORK_CPU_RUNNER="standalone",
+        )  # fmt: skip
+        rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                         "-rfEs", "--noconftest", f"--junitxml={junit}",
+                         SERVED_MUTATION[0]], ROOT, part, senv)  # fmt: skip
+    finally:
+        for lib in (worktree / "vllm").glob("_C*.so"):
+            lib.unlink()
+    failed = []
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(case.get("name") or "?")
+    if rc == 1 and failed and all(n.startswith(SERVED_CATCHES) for n in failed):
+        return None
+    return f"exit {rc}, failed {failed or 'nothing'}"
+
+
+def run_mutations(log: Path, env: dict[str, str]) -> Result:
+    """Each exported test file fails on a fork with its deliberate break, and
+    the served suite on servers of a fork with ``SERVED_MUTATION``.
+
+    Two breaks run at a time (one per core), each in a worktree of its own,
+    the served one first (the longest); every run writes its own log,
+    appended to ``log`` in order.
     """
     from concurrent.futures import ThreadPoolExecutor
     from queue import Queue
@@ -239,6 +299,7 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
         worktrees.put(worktree)
 
     mutations, parked = active_mutations()
+    mutations = [SERVED_MUTATION, *mutations]
 
     def mutate(index: int) -> tuple[str, str | None]:
         test, target, old, new = mutations[index]
@@ -254,11 +315,20 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
                     f"{Path(test).name}: mutation no longer applies",
                 )
             path.write_text(text.replace(old, new), encoding="utf-8")
-            wenv = dict(env, PYTHONPATH=pythonpath(worktree))
-            rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                             "-x", test], worktree / "tests", part, wenv)  # fmt: skip
-            path.write_text(text, encoding="utf-8")
-            missed = None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
+            try:
+                if index == 0:
+                    why = served_break(worktree, part, env)
+                    missed = None if why is None else f"served: {why}, not caught"
+                else:
+                    wenv = dict(env, PYTHONPATH=pythonpath(worktree))
+                    rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider",
+                                     "-q", "-x", test], worktree / "tests", part,
+                                    wenv)  # fmt: skip
+                    missed = (
+                        None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
+                    )
+            finally:
+                path.write_text(text, encoding="utf-8")
             return part.read_text(), missed
         finally:
             part.unlink(missing_ok=True)
