@@ -12,9 +12,11 @@ it returns:
 * a negative control (the decoder pointed at another prompt's blocks) changes
   the tokens, so the KV really came over NIXL;
 * the fork's pair moves the same bytes as stock's in no more descriptors;
-* the prefill engine killed before and during the READ: under
+* the series' prefill engine killed before and during the READ: under
   ``kv_load_failure_policy=fail`` the client sees ``finish_reason="error"``,
-  under ``recompute`` it gets the oracle's tokens; nothing hangs.
+  under ``recompute`` it gets the oracle's tokens; nothing hangs. (Stock's
+  engines meet the same faults in ``tools/main.sh``'s engine part, whose
+  table shows both trees; here they would double the suite's fault engines.)
 
 The tiny Llama (``llama-gqa``) is not run here: the served suite
 (``checks/served``) runs its four pairings, the negative control, the
@@ -46,6 +48,8 @@ from checks.e2e.models import DEEPSEEK_V2, LLAMA_HYBRID
 E2E_MODELS = (DEEPSEEK_V2, LLAMA_HYBRID)
 
 TREES = tuple(driver.TREES)
+# The tree whose engines the fault cases kill (module docstring).
+FAULT_TREE = "series"
 PAIRINGS = [(p, d) for p in TREES for d in TREES]
 OUT = Path(os.environ.get("E2E_JSON", driver.ROOT / "build" / "e2e" / "e2e.json"))
 # A consistent engine's two paths agree to float32 rounding.
@@ -56,14 +60,14 @@ _RESULTS: dict[str, Any] = {"models": [], "faults": [], "seconds": 0.0}
 
 @pytest.fixture(scope="module", params=E2E_MODELS, ids=lambda m: m.name)
 def run(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The model's pairings, then its fault cases on each tree."""
+    """The model's pairings, then its fault cases on the series' engines."""
     model = request.param
     begin = time.monotonic()
     res = driver.run_model(model, dict(driver.TREES))
-    res["faults"] = []
-    for tree_name, tree in driver.TREES.items():
-        oracle = res["oracle_tokens"]["long"]
-        res["faults"] += driver.run_faults(model, tree_name, tree, oracle)
+    oracle = res["oracle_tokens"]["long"]
+    res["faults"] = driver.run_faults(
+        model, FAULT_TREE, driver.TREES[FAULT_TREE], oracle
+    )
     _RESULTS["models"].append({k: v for k, v in res.items() if k != "faults"})
     _RESULTS["faults"] += [dict(case, model=model.name) for case in res["faults"]]
     _RESULTS["seconds"] += time.monotonic() - begin
@@ -137,5 +141,5 @@ def test_prefill_killed_ends_by_policy(run: dict[str, Any]) -> None:
             bad.append(f"{label}: recompute gave other tokens: {case['tokens']}")
         elif case["policy"] == "fail" and case["finish_reason"] != "error":
             bad.append(f"{label}: the client saw no error: {case['finish_reason']}")
-    assert len(run["faults"]) == 2 * len(TREES) * len(driver.POLICIES)
+    assert len(run["faults"]) == 2 * len(driver.POLICIES)
     assert not bad, "\n".join(bad)
