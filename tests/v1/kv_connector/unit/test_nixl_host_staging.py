@@ -146,6 +146,21 @@ def _worker(
     return worker, kv_cache_config, caches
 
 
+def _assert_pages_landed(d_config, d_caches, p_caches, local, remote):
+    """Each group's pages landed byte-exact, and not one other decoder byte.
+
+    The prefiller's bytes are never zero: any other nonzero byte is a stray
+    write.
+    """
+    written = 0
+    for group, dst, src in zip(d_config.transfer_groups, local, remote):
+        for name in group.layer_names:
+            got = d_caches[name][dst]
+            assert torch.equal(got, p_caches[name][src]), name
+            written += got.nbytes
+    assert nonzero_bytes(d_caches) == written
+
+
 @pytest.mark.cpu_test
 @pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
 def test_staging_registers_like_the_device(layout):
@@ -199,14 +214,8 @@ def test_padded_rows_of_two_groups_pair_with_per_layer_staging(p_mirror, d_mirro
         local = [*LOCAL_BLOCKS, [0, 1, 11, 14, 15]]
         remote = [*REMOTE_BLOCKS, [0, 1, 8, 9, 10]]
         pull_groups(decode, prefill, local, remote)
-        written = 0
-        for group, dst, src in zip(d_config.transfer_groups, local, remote):
-            for name in group.layer_names:
-                got = d_caches[name][dst]
-                assert torch.equal(got, p_caches[name][src]), name
-                written += got.nbytes
         # Not a byte more than the pages: no padding, no other block.
-        assert nonzero_bytes(d_caches) == written
+        _assert_pages_landed(d_config, d_caches, p_caches, local, remote)
     finally:
         decode.shutdown()
         prefill.shutdown()
@@ -234,14 +243,7 @@ def test_staged_rows_read_byte_exact(p_staging, d_staging):
         assert validated.call_count == 1
         local, remote = LOCAL_BLOCKS, REMOTE_BLOCKS
         descriptors = pull_groups(decode, prefill, local, remote)
-        written = 0
-        for group, dst, src in zip(d_config.transfer_groups, local, remote):
-            for name in group.layer_names:
-                got = d_caches[name][dst]
-                assert torch.equal(got, p_caches[name][src]), name
-                written += got.nbytes
-        # The prefiller's bytes are never zero: any other one is a stray write.
-        assert nonzero_bytes(d_caches) == written
+        _assert_pages_landed(d_config, d_caches, p_caches, local, remote)
         # Whole rows, as between device rows: a descriptor per run of blocks.
         assert descriptors == 2
     finally:
