@@ -192,7 +192,7 @@ def test_staging_registers_like_the_device(layout):
 @pytest.mark.cpu_test
 @pytest.mark.parametrize("p_mirror,d_mirror", [(True, False), (False, True)])
 def test_padded_rows_of_two_groups_pair_with_per_layer_staging(p_mirror, d_mirror):
-    """Full and sliding-window layers share a row of padded pages (576 B of
+    """Full and sliding-window layers share a row of padded pages (512 B of
     data in 640 B slots, as DeepSeek-V4's); a mirror of that row reads and is
     read by per-layer staging byte-exact, and never sends a page's padding."""
     nixl_cls = require_nixl()
