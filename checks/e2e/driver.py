@@ -208,17 +208,7 @@ class Engine:
         can be served. Returns the number of stopped threads.
         """
         self.signal(signal.SIGSTOP)
-        deadline = time.monotonic() + timeout
-        while True:
-            states = _group_thread_states(self.proc.pid)
-            if states and all(s in "Tt" for s in states):
-                return len(states)
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"{self.name}: not stopped {timeout:.0f} s after SIGSTOP "
-                    f"(thread states {''.join(sorted(states))})"
-                )
-            time.sleep(0.05)
+        return wait_group_stopped(self.proc.pid, self.name, EngineError, timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -248,6 +238,25 @@ def _group_thread_states(pgid: int) -> list[str]:
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
     return states
+
+
+def wait_group_stopped(
+    pgid: int, what: str, error: type[Exception], timeout: float = 10.0
+) -> int:
+    """Wait until every thread of process group ``pgid`` is stopped (after a
+    SIGSTOP); the number of stopped threads. Raises ``error`` past
+    ``timeout`` seconds, naming ``what`` and the threads' states."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _group_thread_states(pgid)
+        if states and all(s in "Tt" for s in states):
+            return len(states)
+        if time.monotonic() > deadline:
+            raise error(
+                f"{what}: not stopped {timeout:.0f} s after SIGSTOP "
+                f"(thread states {''.join(sorted(states))})"
+            )
+        time.sleep(0.05)
 
 
 @contextmanager

@@ -67,7 +67,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from checks.e2e.driver import other_prompt, prompts
+from checks.e2e.driver import other_prompt, prompts, wait_group_stopped
 from checks.e2e.models import DEEPSEEK_V2, LLAMA, LLAMA_HYBRID, TinyModel, make
 from checks.served import commands
 
@@ -180,18 +180,6 @@ def _group_pids(pgid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return pids
-
-
-def _group_thread_states(pgid: int) -> list[str]:
-    """The state letter of every thread of every process in group ``pgid``."""
-    states = []
-    for pid in _group_pids(pgid):
-        try:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-    return states
 
 
 def _group_alive(pgid: int) -> bool:
@@ -318,17 +306,7 @@ class Process:
         window could be served. Returns the number of stopped threads.
         """
         os.killpg(self.proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + timeout
-        while True:
-            states = _group_thread_states(self.proc.pid)
-            if states and all(s in "Tt" for s in states):
-                return len(states)
-            if time.monotonic() > deadline:
-                raise ServedError(
-                    f"{self.name}: not stopped {timeout:.0f} s after SIGSTOP "
-                    f"(thread states {''.join(sorted(states))})"
-                )
-            time.sleep(0.05)
+        return wait_group_stopped(self.proc.pid, self.name, ServedError, timeout)
 
     def stop(self) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever is left."""
