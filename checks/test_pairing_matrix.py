@@ -155,17 +155,19 @@ def test_pair_matches_stock(stock: dict, case: Case):
         return
     # The fork against the truth, whatever stock does.
     assert not wrong(got), f"{case.name}: the fork is not exact: {wrong(got)}"
+    # A mirrored staging side registers and reads as its device layout does:
+    # stock's case with the staging sides on the device.
+    sides = (case.prefill.layout, case.decode.layout)
+    mirrored = [layout in MIRRORED_STAGING for layout in sides]
+    on_device = stock[device_case(case).name]
     if got.get("regions") is not None:
         # Registration: as many regions per side as stock; a mirrored staging
         # side as many as stock's device side of its layout.
-        sides = (case.prefill.layout, case.decode.layout)
-        mirrored = [layout in MIRRORED_STAGING for layout in sides]
         assert got["mirrored"] == mirrored, (got["mirrored"], sides)
-        on_device = stock[device_case(case).name].get("regions")
         assert got["regions"] == [
             1 if side in WHOLE_ROWS else d if m else s
             for side, m, s, d in zip(
-                sides, mirrored, want["regions"], on_device, strict=True
+                sides, mirrored, want["regions"], on_device.get("regions"), strict=True
             )
         ]
     if stock_wrong and not got["accepted"]:
@@ -200,9 +202,6 @@ def test_pair_matches_stock(stock: dict, case: Case):
     # Two mirrored staging sides read each other as two device rows do: whole
     # rows, so stock's device pair's bytes where stock pairs the rows (a
     # DeepSeek-V4 row holds every group's pages of a block).
-    sides = (case.prefill.layout, case.decode.layout)
-    on_device = stock[device_case(case).name]
-    mirrors = all(layout in MIRRORED_STAGING for layout in sides)
-    moved = on_device if mirrors and on_device["accepted"] else want
+    moved = on_device if all(mirrored) and on_device["accepted"] else want
     assert got["total_bytes"] == moved["total_bytes"], (got, moved)
     assert got["descriptors"] <= want["descriptors"]
