@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""NIXL pull workers over planner-built MLA caches on host DRAM.
+"""NIXL pull workers over planner-built MLA or GQA caches on host DRAM.
 
 The caches come from vLLM's own planner and allocator (``get_kv_cache_configs``
-and ``allocate_kv_cache``) for a model of ``num_layers`` MLA layers, so the
-block rows are what an engine would register. Workers run the real
+and ``allocate_kv_cache``) for a model of ``num_layers`` MLA or GQA layers,
+so the block rows are what an engine would register. Workers run the real
 registration, handshake (``add_remote_agent``) and read path
 (``_read_blocks_for_req``) with a real NIXL agent (UCX on host DRAM, no GPU);
 only the distributed runtime and the attention backend are faked. NIXL's
@@ -36,7 +36,12 @@ from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheLayout, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheLayout,
+    MLAAttentionSpec,
+)
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from .utils import create_vllm_config
@@ -77,6 +82,26 @@ def plan_mla_caches(
     return kv_cache_config, caches
 
 
+def plan_gqa_caches(
+    num_layers: int, num_kv_heads: int, num_blocks: int, layout: str
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """Plan and allocate ``num_layers`` GQA caches (one TP rank's KV heads)."""
+    config = _config(layout)
+    config.model_config.max_model_len = 2 * BLOCK_SIZE
+    config.cache_config.num_gpu_blocks_override = num_blocks
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=8, dtype=torch.uint8
+    )
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}]
+    groups = get_global_kv_cache_groups(config, specs)
+    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
+    kv_cache_config.kv_cache_layout = layout
+    caches = allocate_kv_cache(
+        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
+    )
+    return kv_cache_config, caches
+
+
 def _config(layout: str):
     config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
     config.cache_config.kv_cache_layout = layout
@@ -90,37 +115,52 @@ def make_worker(
     nixl_cls: type,
     *,
     configure: Callable[[VllmConfig], None] | None = None,
+    use_mla: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    engine_id: str | None = None,
 ) -> NixlPullConnectorWorker:
-    """A registered pull worker; ``configure`` may adjust its config."""
+    """A registered pull worker (TP rank ``tp_rank`` of ``tp_size``);
+    ``configure`` may adjust its config."""
     backend = MagicMock()
     backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
     backend.get_name.return_value = "FLASHMLA"
     backend.full_cls_name.return_value = "fake.FLASHMLA"
     with ExitStack() as stack:
         for name, value in (
-            ("get_tensor_model_parallel_rank", 0),
-            ("get_tensor_model_parallel_world_size", 1),
+            ("get_tensor_model_parallel_rank", tp_rank),
+            ("get_tensor_model_parallel_world_size", tp_size),
             ("get_current_attn_backends", [backend]),
         ):
             stack.enter_context(patch.object(bw, name, return_value=value))
         stack.enter_context(patch.object(bw, "NixlWrapper", nixl_cls))
         stack.enter_context(patch("threading.Thread"))
         config = _config(layout)
+        config.parallel_config.tensor_parallel_size = tp_size
+        config.parallel_config.rank = tp_rank
         if configure is not None:
             configure(config)
-        worker = NixlPullConnectorWorker(config, str(uuid.uuid4()), kv_cache_config)
-        worker.use_mla = True
+        # The config's model is not MLA: an MLA worker is told so.
+        worker = NixlPullConnectorWorker(
+            config, engine_id or str(uuid.uuid4()), kv_cache_config
+        )
+        worker.use_mla = use_mla
         worker.register_kv_caches(caches)
     return worker
 
 
-def handshake(decode: NixlPullConnectorWorker, prefill: NixlPullConnectorWorker):
+def handshake(
+    decode: NixlPullConnectorWorker,
+    prefill: NixlPullConnectorWorker,
+    remote_tp_rank: int = 0,
+    remote_tp_size: int = 1,
+):
     """Hand P's advertised metadata to D, as ``_nixl_handshake`` does."""
     meta = msgspec.msgpack.decode(
         prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
     )
-    name = decode.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
-    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, 0)] = name
+    name = decode.add_remote_agent(meta, remote_tp_rank, remote_tp_size)
+    decode._remote_agents.setdefault(prefill.engine_id, {})[(0, remote_tp_rank)] = name
 
 
 def pull(
@@ -130,6 +170,7 @@ def pull(
     remote_block_ids: Sequence[int],
     *,
     local_groups: int = 1,
+    remote_tp_size: int = 1,
 ) -> int:
     """Read one request through D's read path; return the descriptors posted.
 
@@ -141,6 +182,7 @@ def pull(
         prefill,
         [list(local_block_ids)] * local_groups,
         [list(remote_block_ids)],
+        remote_tp_size=remote_tp_size,
     )
 
 
@@ -149,6 +191,7 @@ def pull_groups(
     prefill: NixlPullConnectorWorker,
     local_block_ids: Sequence[Sequence[int]],
     remote_block_ids: Sequence[Sequence[int]],
+    remote_tp_size: int = 1,
 ) -> int:
     """``pull`` with one block id list per transfer group on each side.
 
@@ -162,7 +205,7 @@ def pull_groups(
     meta = ReqMeta(
         local_block_ids=local,
         local_physical_block_ids=local,
-        tp_size=1,
+        tp_size=remote_tp_size,
         remote=RemoteMeta(
             block_ids=remote,
             host="localhost",

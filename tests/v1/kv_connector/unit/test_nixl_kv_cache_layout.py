@@ -103,26 +103,26 @@ FLASHINFER_LAYOUTS = {
 
 @pytest.mark.parametrize("capability", [9, 10])
 @pytest.mark.parametrize("extensible", [False, True])
-@pytest.mark.parametrize(
-    "use_mla, expected", [(True, KVCacheLayout.BLHNC), (False, KVCacheLayout.LBHNC)]
-)
-def test_one_layout_per_model_across_gpu_generations(
-    capability, extensible, use_mla, expected
-):
+@pytest.mark.parametrize("use_mla", [True, False])
+def test_one_layout_per_model_across_gpu_generations(capability, extensible, use_mla):
     """A B200 (capability 10), or a GB200 with the extensible KV cache, pairs
-    with an H100 (capability 9) at one layout."""
+    with an H100 (capability 9) at one layout: block-outermost rows, for MLA
+    and GQA models alike."""
     supported = ANY_LAYOUT if use_mla else FLASHINFER_LAYOUTS[capability]
     config, stack = _config(use_mla=use_mla)
     config.cache_config.enable_extensible_kv_cache = extensible
     with stack:
-        assert _resolve(config, supported) == expected
+        assert _resolve(config, supported) == KVCacheLayout.BLHNC
+    assert config.cache_config.kv_cache_layout_reason == (
+        "preferred by the KV connector"
+    )
 
 
 @pytest.mark.parametrize(
     "use_mla, user_block_size, expected",
     [
-        # Head-sharded pages: the layout NIXL requires for heterogeneous TP.
-        (False, False, KVCacheLayout.LBHNC),
+        # Head-sharded pages: the layout NIXL requires without its preference.
+        (False, True, KVCacheLayout.LBHNC),
         # No preference: the backends' first choice.
         (True, True, KVCacheLayout.LBNHC),
     ],
@@ -132,6 +132,23 @@ def test_other_models_keep_their_layout(use_mla, user_block_size, expected):
     config.cache_config.user_specified_block_size = user_block_size
     with stack:
         assert _resolve(config) == expected
+
+
+def test_gqa_falls_back_to_the_required_layout():
+    # CPU_ATTN reads head-major pages only: the preference yields to LBHNC.
+    config, stack = _config(use_mla=False)
+    with stack:
+        assert _resolve(config, [["LBHNC"]]) == KVCacheLayout.LBHNC
+    assert config.cache_config.kv_cache_layout_reason == (
+        "required by the KV connector"
+    )
+
+
+def test_gqa_under_context_parallelism_keeps_the_required_layout():
+    config, stack = _config(use_mla=False)
+    config.parallel_config.decode_context_parallel_size = 2
+    with stack:
+        assert _resolve(config) == KVCacheLayout.LBHNC
 
 
 def test_an_explicit_layout_wins(monkeypatch):
