@@ -195,6 +195,29 @@ CROSS_CASES: list[Pair] = [
         {"model": "llama", "layout": "BHLNC", "tp": 2},
         {"model": "llama", "layout": "BHLNC"},
     ),
+    # GQA on defaults: the series prefers BLHNC rows (one region per side),
+    # stock keeps LBHNC. A series decoder reads a stock prefiller page by page
+    # (head slices at heterogeneous TP); a stock decoder refuses a series
+    # prefiller at the handshake, naming both layouts (``SERIES_REFUSALS``).
+    Pair(_fork(model="llama8b"), _fork(model="llama8b")),
+    Pair(_fork(model="llama8b"), _fork(model="llama8b", tp=2)),
+    Pair(_fork(model="llama8b", tp=2), _fork(model="llama8b")),
+    Pair(_fork(model="gpt-oss"), _fork(model="gpt-oss")),
+    # One KV head, replicated past one rank: rows read whole (TP 2 -> 4).
+    *_across({"model": "llama", "tp": 2}, {"model": "llama", "tp": 4}),
+    Pair(_fork(model="llama", tp=2), _fork(model="llama", tp=4)),
+    # A user-set BLHNC: the series registers each layer's page, as stock.
+    *_both_ways(
+        _stock(model="llama8b", layout="BLHNC"), _fork(model="llama8b", layout="BLHNC")
+    ),
+    Pair(_stock(model="llama8b", layout="BLHNC"), _fork(model="llama8b", tp=2)),
+    Pair(_fork(model="llama8b", layout="BLHNC"), _fork(model="llama8b")),
+    Pair(_fork(model="llama8b"), _fork(model="llama8b", layout="BLHNC")),
+    # GQA host staging: the series mirrors its row where stock stages per layer.
+    *_both_ways(
+        _stock(model="llama8b", staging=True), _fork(model="llama8b", staging=True)
+    ),
+    *_both_ways(_fork(model="llama8b", staging=True), _fork(model="llama8b")),
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),
@@ -254,7 +277,46 @@ STOCK_REFUSALS = {
         _stock(model="llama", layout="BHLNC", tp=2),
         _stock(model="llama", layout="BHLNC"),
     ).name: "handshake: AssertionError: ",
+    # Stock pairs GQA instances of one layout only; the series reads LBHNC
+    # and BLHNC peers alike (the same page of KV heads per layer and block).
+    **{
+        Pair(_stock(model="llama8b", **p), _stock(model="llama8b", **d)).name: (
+            "handshake: RuntimeError: Heterogeneous TP expects same kv_cache_layout"
+        )
+        for p, d in (
+            ({"layout": "BLHNC"}, {"tp": 2}),
+            ({"layout": "BLHNC"}, {}),
+            ({}, {"layout": "BLHNC"}),
+        )
+    },
 }
+
+
+def series_refusal(pair: Pair) -> str | None:
+    """The one refusal the series adds (issue 50, the RFC): a stock decoder
+    of a GQA model reading a series prefiller whose KV layout is the
+    connector's preference (BLHNC rows) refuses it at the handshake, naming
+    both layouts, where stock + stock of the same settings pair in LBHNC.
+
+    Returns:
+        How the refusal starts (``error: message``), or None for other pairs.
+
+    """
+    p, d = pair.prefill, pair.decode
+    preferred = p.layout is None and p.block_size is None and p.backend is None
+    if (
+        (p.tree, d.tree) == ("fork", "stock")
+        and p.model in GQA_MODELS
+        and preferred
+        and not p.multi
+        and d.layout in (None, "LBHNC")
+    ):
+        return (
+            "handshake: RuntimeError: Heterogeneous TP expects same "
+            "kv_cache_layout (local LBHNC, remote BLHNC)"
+        )
+    return None
+
 
 # ------------------------------------------------------------------ child side
 
@@ -266,9 +328,9 @@ def _bench_path() -> None:
         sys.path.append(bench)
 
 
-# The layout each configuration resolved to (``_Side._resolve``), in this
-# process.
-_RESOLVED: dict[Config, str] = {}
+# The layout each configuration resolved to and why (``_Side._resolve``), in
+# this process.
+_RESOLVED: dict[Config, tuple[str, str | None]] = {}
 
 
 class _Side:
@@ -288,7 +350,7 @@ class _Side:
         # Every rank of an instance resolves the same layout: once a process.
         if self.config not in _RESOLVED:
             _RESOLVED[self.config] = self._resolve()
-        self.layout_name = _RESOLVED[self.config]
+        self.layout_name, self.layout_reason = _RESOLVED[self.config]
         from checks.layout_zoo import build_zoo_layout, make_zoo_worker
         from checks.real_nixl import fill_pattern, zero
 
@@ -316,7 +378,7 @@ class _Side:
                 coalesce=True,
                 tp_rank=rank,
                 tp_size=self.config.tp,
-                settings=self._set_block_size,
+                settings=self._user_settings,
             )
 
     def heads(self, tp: int | None = None, rank: int | None = None) -> range:
@@ -342,6 +404,13 @@ class _Side:
             self.config.block_size is not None
         )
 
+    def _user_settings(self, config: Any) -> None:
+        """The block size the user set, and why the layout was resolved (the
+        reason reaches the workers where the tree records one)."""
+        self._set_block_size(config)
+        if hasattr(config.cache_config, "kv_cache_layout_reason"):
+            config.cache_config.kv_cache_layout_reason = self.layout_reason
+
     @contextmanager
     def _settings(self) -> Iterator[None]:
         """The user's environment, on the model (MLA unless ``GQA_MODELS``)."""
@@ -360,8 +429,8 @@ class _Side:
         ):
             yield
 
-    def _resolve(self) -> str:
-        """The zoo layout this tree builds for the configuration."""
+    def _resolve(self) -> tuple[str, str | None]:
+        """The zoo layout this tree builds for the configuration, and why."""
         from unittest.mock import patch
 
         from tests.v1.kv_connector.unit.utils import create_vllm_config
@@ -415,7 +484,8 @@ class _Side:
         ):
             layout = resolve_kv_cache_layout(config, [supported], specs)
         staging = "+host-staging" if c.staging else ""
-        return f"{c.model}{staging}/{layout.name}"
+        reason = getattr(config.cache_config, "kv_cache_layout_reason", None)
+        return f"{c.model}{staging}/{layout.name}", reason
 
     def payload(self) -> dict[str, Any]:
         hs = self.worker.xfer_handshake_metadata

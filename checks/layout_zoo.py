@@ -100,9 +100,21 @@ llama/BHLNC                     4        The same, BHLNC rows: with one head a
 llama8b/LBHNC                   4        Llama-3.1-8B-like: 8 KV heads, built
                                          per TP rank (``tp_size`` shares them,
                                          ``HEAD_SHARDED``): L regions.
+llama/BLHNC                     4        The same, block-outermost rows: under a
+                                         BLHNC the user set, a region per layer
+                                         (stock and the fork); the fork's own
+                                         preference registers the row: 1.
+llama8b/BLHNC                   4        Llama-3.1-8B-like, block-outermost
+                                         rows, as llama/BLHNC.
 llama8b/BHLNC                   1        The same, BHLNC rows; heterogeneous TP
                                          reads a head slice of each row (the
                                          fork; stock refuses it).
+llama8b+host-staging/LBHNC      4        llama8b/LBHNC with
+                                         ``kv_buffer_device="cpu"``: per-layer
+                                         host buffers (stock's default).
+llama8b+host-staging/BLHNC      4        llama8b/BLHNC staged: per-layer host
+                                         buffers under a user-set BLHNC; the
+                                         fork's preference mirrors the row: 1.
 llama8b+host-staging/BHLNC      4        llama8b/BHLNC with
                                          ``kv_buffer_device="cpu"``: per-layer
                                          head-major host buffers, in stock and
@@ -395,6 +407,14 @@ _RECIPES: dict[str, _Recipe] = {
     "llama/BHLNC": _Recipe("llama", KVCacheLayout.BHLNC),
     "llama8b/LBHNC": _Recipe("llama8b", KVCacheLayout.LBHNC),
     "llama8b/BHLNC": _Recipe("llama8b", KVCacheLayout.BHLNC),
+    "llama/BLHNC": _Recipe("llama", KVCacheLayout.BLHNC),
+    "llama8b/BLHNC": _Recipe("llama8b", KVCacheLayout.BLHNC),
+    "llama8b+host-staging/LBHNC": _Recipe(
+        "llama8b", KVCacheLayout.LBHNC, host_staging=True
+    ),
+    "llama8b+host-staging/BLHNC": _Recipe(
+        "llama8b", KVCacheLayout.BLHNC, host_staging=True
+    ),
     "llama8b+host-staging/BHLNC": _Recipe(
         "llama8b", KVCacheLayout.BHLNC, host_staging=True
     ),

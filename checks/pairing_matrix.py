@@ -606,7 +606,7 @@ def _head_truth(d_layout, p_layouts, case, decode, local, remote, raws) -> dict:
     import torch
 
     def rank_heads(total: int, tp_size: int, rank: int) -> range:
-        # Tree-independent (stock has no head_pages); total >= tp_size here.
+        # Tree-independent; total >= tp_size here.
         per_rank = total // tp_size
         return range(rank * per_rank, (rank + 1) * per_rank)
 

@@ -20,8 +20,8 @@ wrong on stock). The fork must:
 - register as many regions per side as stock, except (while their layout
   stack patches are built) a host-staging side of a single-group MLA row
   (``MIRRORED_STAGING``), which the fork stages in one buffer mirroring the
-  device row: as many as stock's device side; and a BHLNC row of one KV
-  head per rank (``WHOLE_ROWS``): one region;
+  device row: as many as stock's device side (every layout here is one a
+  user sets, under which the fork registers GQA rows as stock does);
 - accept every pair stock accepts, failing at the same step (registration,
   handshake or READ) where both refuse; a pair of a row side and a
   per-layer side that stock refuses may be accepted if it is exact; where
@@ -102,12 +102,6 @@ MIRRORED_STAGING = (
     }
 )
 
-# GQA layouts the fork registers as one whole block row where stock registers
-# a region per layer: BHLNC with one KV head per rank (each layer's page is
-# contiguous in the row, which stock registers page by page). (None while
-# the patch that prefers head-major rows is parked.)
-WHOLE_ROWS = set() if is_parked("nixl-gqa-head-major-rows") else {"llama/BHLNC"}
-
 STEPS = ["register prefill", "register decode", "handshake", "read"]
 
 
@@ -165,9 +159,9 @@ def test_pair_matches_stock(stock: dict, case: Case):
         # side as many as stock's device side of its layout.
         assert got["mirrored"] == mirrored, (got["mirrored"], sides)
         assert got["regions"] == [
-            1 if side in WHOLE_ROWS else d if m else s
-            for side, m, s, d in zip(
-                sides, mirrored, want["regions"], on_device.get("regions"), strict=True
+            d if m else s
+            for m, s, d in zip(
+                mirrored, want["regions"], on_device.get("regions"), strict=True
             )
         ]
     if stock_wrong and not got["accepted"]:

@@ -22,7 +22,7 @@
 #      test_accuracy.py, then the decoder's vllm:nixl_num_descriptors;
 #    - per attention backend, one server and `vllm bench serve` per context
 #      length (concurrency 1): mean TPOT, and prompt tokens per second of TTFT.
-#    >= 3 GPUs: an MLA model also runs P TP 1 -> D TP 2 (series default).
+#    >= 3 GPUs: each model also runs P TP 1 -> D TP 2 (series default).
 #    >= 4 GPUs: upstream's config_sweep_accuracy_test.sh, unchanged, runs last
 #    (its cleanup runs `pkill -f "vllm serve"` on the whole machine).
 # 3. Judges the RFC's thresholds: PASS/FAIL/SKIP lines, $OUT/summary.json,
@@ -138,7 +138,7 @@ def descs(d):  # mean of the decoder's vllm:nixl_num_descriptors histogram
     return s / c if c else None
 for spec in args[1:]:
     model, family = spec.rsplit(":", 1)
-    d, want = out / model.replace("/", "__"), {"mla": "BLHNC", "gqa": "LBHNC"}[family]
+    d, want = out / model.replace("/", "__"), "BLHNC"
     for side in ("P", "D"):
         log = d / "pd-series" / f"{side}.log"
         rec(model, f"6 layout {side}, series default", layout(log) == want, f"{layout(log)} (want {want})")
@@ -154,10 +154,7 @@ for spec in args[1:]:
     ds, db = descs(d / "pd-series"), descs(d / "pd-stock")
     ratio = db / ds if ds and db else None
     detail = f"per READ: series {ds}, stock layout {db}, ratio {ratio and round(ratio, 2)}"
-    if family == "mla":
-        rec(model, "5 NIXL descriptors per READ, >= 10x fewer", bool(ratio and ratio >= 10), detail)
-    else:
-        rec(model, "5 NIXL descriptors per READ (GQA: same layout, info)", None, detail)
+    rec(model, "5 NIXL descriptors per READ, >= 10x fewer", bool(ratio and ratio >= 10), detail)
     if not list(d.glob("lat-*-series")): rec(model, "1-2 latency", False, "no latency runs")
     for lat in sorted(d.glob("lat-*-series")):
         backend, ref = lat.name[4:-7], d / f"lat-{lat.name[4:-7]}-stock"
@@ -182,7 +179,7 @@ if sweep.exists():
     rec("upstream", "config_sweep_accuracy_test.sh", sweep.read_text().strip() == "0", "exit " + sweep.read_text().strip())
 passed = bool(rows) and all(r["status"] != "FAIL" for r in rows)
 limits = {"tpot_max": "1.02x stock layout", "prefill_min": "0.98x stock layout", "gsm8k": "within 1 stderr of stock layout",
-          "descriptors": ">= 10x fewer (MLA)", "cudagraph": "FULL_AND_PIECEWISE captured", "layout": "BLHNC MLA, LBHNC GQA"}
+          "descriptors": ">= 10x fewer", "cudagraph": "FULL_AND_PIECEWISE captured", "layout": "BLHNC"}
 (out / "summary.json").write_text(json.dumps({"pass": passed, "thresholds": limits, "rows": rows}, indent=1))
 print("GATE", "PASS" if passed else "FAIL", "->", out / "summary.json")
 sys.exit(0 if passed else 1)
@@ -238,7 +235,7 @@ for spec in ${MODELS}; do
     fi
     dir="${OUT_DIR}/${model//\//__}"
     variants=(series "${stock}")
-    if [ "${family}" = mla ] && [ "${NGPU}" -ge 3 ]; then variants+=(series-dtp2); fi
+    if [ "${NGPU}" -ge 3 ]; then variants+=(series-dtp2); fi
     for v in "${variants[@]}"; do
         name="pd-${v}" layout="${v%-dtp2}" dtp=1 dgpus=0 mem="${GATE_PD_MEM:-0.4}"
         [ "${layout}" = series ] || name=pd-stock

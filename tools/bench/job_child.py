@@ -59,6 +59,18 @@ def _use_tree(tree: str) -> None:
     os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
 
 
+def _layout_reason(reason: str | None) -> Any:
+    """Settings that give a worker the reason its tree resolved the layout
+    with (the workers of a tree that records one register by it)."""
+    if reason is None:
+        return None
+
+    def settings(config: Any) -> None:
+        config.cache_config.kv_cache_layout_reason = reason
+
+    return settings
+
+
 class Side:
     """One worker of the pair, its layout and whether it stages."""
 
@@ -215,7 +227,13 @@ class Child:
         ):
             connector = get_kv_connector_cache_layout(config)
             layout = resolve_kv_cache_layout(config, [supported], specs)
-        return {"supported": supported, "connector": connector, "resolved": layout.name}
+        return {
+            "supported": supported,
+            "connector": connector,
+            "resolved": layout.name,
+            # Why (a tree that records it): the workers register by it.
+            "reason": getattr(config.cache_config, "kv_cache_layout_reason", None),
+        }
 
     def lists(self, args: dict[str, Any], p_order: str, d_order: str) -> dict:
         """The replay through this tree's block pools (``job_lists``)."""
@@ -248,6 +266,7 @@ class Child:
         disjoint_groups: bool = False,
         p_tp: int = 1,
         d_tp: int = 1,
+        layout_reason: str | None = None,
     ) -> dict[str, Any]:
         """Build and connect the pair; report what it registered.
 
@@ -328,6 +347,7 @@ class Child:
                 coalesce=self.coalesce,
                 tp_rank=rank,
                 tp_size=tp,
+                settings=_layout_reason(layout_reason),
             )
             if stages and (not worker.use_host_buffer or worker.copy_blocks is None):
                 raise RuntimeError(f"{role}: the worker does not stage")

@@ -265,12 +265,6 @@ SCENARIOS = (
         "llama/{layout}",
         default_layout=DefaultLayout("llama", GQA_BACKENDS, mla=False),
         num_layers=80,
-        parked_series=(
-            (
-                "nixl-gqa-head-major-rows",
-                "the series' BHLNC default for GQA: one row region",
-            ),
-        ),
         description="not MLA: 80 full-attention layers, 8 KV heads of 128 "
         "(bf16) served at TP=8, one rank pair's share (one head each side); "
         "what a user gets without setting a layout (each tree resolves it as "
@@ -304,12 +298,12 @@ SCENARIOS = (
         rows=(
             "nixl-ordered-transfers",
             "block-pool-sorted-allocation",
-            "nixl-gqa-head-major-rows",
+            "nixl-gqa-block-outermost-rows",
         ),
         description="not MLA: Llama-3.1-8B-like 32 layers, 8 KV heads of 128 "
         "(bf16); the decoder is rank 1 of TP 2 (4 heads) reading its half of "
-        "each block from a TP 1 prefiller: LBHNC moves a head slice of each "
-        "layer page, BHLNC one of each block row; every READ's KV heads "
+        "each block from a TP 1 prefiller: a head slice of each layer page "
+        "(LBHNC pages, or BLHNC rows read page by page); every READ's KV heads "
         "checked against the prefiller's",
     ),
     Scenario(
@@ -325,7 +319,7 @@ SCENARIOS = (
         rows=(
             "nixl-ordered-transfers",
             "block-pool-sorted-allocation",
-            "nixl-gqa-head-major-rows",
+            "nixl-gqa-block-outermost-rows",
         ),
         description="the same model; the decoder (TP 1, 8 heads) reads 4 heads "
         "from each of the two prefiller ranks into its pages or rows; "

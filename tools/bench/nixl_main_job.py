@@ -337,6 +337,11 @@ class Job:
             raise ValueError(f"layout resolution failed: {found['error']}")
         return scenario.layouts(found.get("resolved"))
 
+    def reason(self, scenario: Scenario, v: Variant) -> str | None:
+        """Why the variant's tree resolved the scenario's layout, if it says."""
+        found = self.facts[v.key].get("resolution", {}).get(scenario.key, {})
+        return found.get("reason")
+
     def lists(self) -> None:
         """Block lists per variant: one replay per group of equal pool code."""
         args, facts = self.args, self.facts
@@ -456,6 +461,7 @@ class Job:
                 disjoint_groups=scenario.disjoint_groups,
                 p_tp=scenario.p_tp,
                 d_tp=scenario.d_tp,
+                layout_reason=self.reason(scenario, v),
             )
         rows, built, infos, stray = [], [], {}, {}
         for v in members:

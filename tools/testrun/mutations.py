@@ -149,29 +149,28 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "if plan.changes_reads:",
         "if False:",
     ),
-    # A prefiller rank's heads read from its first head's place (heads of a
-    # rank other than 0 land wrong).
+    # GQA rows of the preference registered per layer page, as user-set ones.
     (
-        "nixl-gqa-head-major-rows",
-        "v1/kv_connector/unit/test_nixl_head_pages.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/head_pages.py",
-        "+ (first - remote_heads.start) * there.head_stride,",
-        "+ first * there.head_stride,",
-    ),
-    # Heterogeneous TP on BHLNC rows refused again, as in 0.33.0.
-    (
-        "nixl-gqa-head-major-rows",
-        "v1/kv_connector/unit/test_nixl_head_pages.py"
-        "::test_heads_land_across_layouts_and_tp",
+        "nixl-gqa-block-outermost-rows",
+        "v1/kv_connector/unit/test_nixl_gqa_rows.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
-        "and not self._head_major_regions(nixl_agent_meta, kv_cache_layout)",
-        "",
+        "or (whole_gqa_rows and page_contiguous)",
+        "or False",
+    ),
+    # Pages of GQA rows read whole from each of several prefiller ranks.
+    (
+        "nixl-gqa-block-outermost-rows",
+        "v1/kv_connector/unit/test_nixl_gqa_rows.py"
+        "::test_rows_read_head_slices_at_heterogeneous_tp",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+        "np.full(len(descs), self._is_region_replicated(row))",
+        "np.full(len(descs), True)",
     ),
     # The GQA preference taken after the connector's requirement (LBHNC).
     (
-        "nixl-gqa-head-major-rows",
+        "nixl-gqa-block-outermost-rows",
         "v1/kv_connector/unit/test_nixl_kv_cache_layout.py"
-        "::test_gqa_resolves_to_head_major_rows",
+        "::test_one_layout_per_model_across_gpu_generations",
         "vllm/v1/attention/backends/utils.py",
         "get_kv_connector_preferred_cache_layout(vllm_config)) and (",
         "get_kv_connector_preferred_cache_layout(vllm_config)) and "
