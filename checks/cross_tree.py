@@ -218,6 +218,9 @@ CROSS_CASES: list[Pair] = [
         _stock(model="llama8b", staging=True), _fork(model="llama8b", staging=True)
     ),
     *_both_ways(_fork(model="llama8b", staging=True), _fork(model="llama8b")),
+    *_both_ways(
+        _stock(model="gpt-oss", staging=True), _fork(model="gpt-oss", staging=True)
+    ),
     *_both_ways(_stock(model="dsv32"), _fork(model="dsv32")),
     *_both_ways(_stock(model="glm53-mtp"), _fork(model="glm53-mtp")),
     *_both_ways(_stock(model="mla-swa"), _fork(model="mla-swa")),

@@ -124,6 +124,12 @@ gpt-oss+host-staging/LBNHC      4        gpt-oss/LBNHC with
                                          host buffers for layers whose device
                                          views alias (a non-MLA model of 0001's
                                          staging bug).
+gpt-oss+host-staging/LBHNC      4        gpt-oss/LBHNC staged (stock's default):
+                                         per-layer host buffers.
+gpt-oss+host-staging/BLHNC      4        gpt-oss/BLHNC staged: per-layer host
+                                         buffers under a user-set BLHNC; the
+                                         fork's preference mirrors the row
+                                         the two groups share: 1.
 gqa-mixed/BLHNC                 4        gpt-oss-like, full layers with twice
                                          the sliding layers' head size: each
                                          group's first page at byte 0 of the
@@ -399,6 +405,12 @@ _RECIPES: dict[str, _Recipe] = {
     "gpt-oss/BLHNC": _Recipe("gpt-oss", KVCacheLayout.BLHNC),
     "gpt-oss+host-staging/LBNHC": _Recipe(
         "gpt-oss", KVCacheLayout.LBNHC, host_staging=True
+    ),
+    "gpt-oss+host-staging/LBHNC": _Recipe(
+        "gpt-oss", KVCacheLayout.LBHNC, host_staging=True
+    ),
+    "gpt-oss+host-staging/BLHNC": _Recipe(
+        "gpt-oss", KVCacheLayout.BLHNC, host_staging=True
     ),
     "gqa-mixed/BLHNC": _Recipe("gqa-mixed", KVCacheLayout.BLHNC),
     "llama/LBHNC": _Recipe("llama", KVCacheLayout.LBHNC),

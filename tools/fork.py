@@ -930,6 +930,16 @@ def cmd_summary(_: argparse.Namespace) -> int:
         print(line(r))
     for p in manifest.parked:
         print(f"-- parked (not built, not exported): {p.name}: {p.parked}")
+    for stack in STACKS:
+        code = sum(
+            patch_lines(p, nonblank=True)["code"][0]
+            for p in manifest.patches
+            if p.stack == stack
+        )
+        if code:
+            print(
+                f"-- {stack}: {code} non-blank code lines added (not tests, docs, ci)"
+            )
     return 0
 
 

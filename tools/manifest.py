@@ -235,24 +235,47 @@ def _kind(path: str) -> str:
 KINDS = ("code", "docs", "tests", "ci")
 
 
-def patch_lines(patch: Patch) -> dict[str, tuple[int, int]]:
-    """(added, removed) lines per kind: its new files and its diff."""
+def _diff_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per file of the patch's diff (``nonblank``:
+    lines with more than whitespace only)."""
+    counts: dict[str, tuple[int, int]] = {}
+    if not (patch.diff and (ROOT / patch.diff).is_file()):
+        return counts
+    path = ""
+    for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[1]
+            counts.setdefault(path, (0, 0))
+        elif nonblank and not line[1:].strip():
+            continue
+        elif line.startswith("+") and not line.startswith("+++ "):
+            counts[path] = (counts[path][0] + 1, counts[path][1])
+        elif line.startswith("-") and not line.startswith("--- "):
+            counts[path] = (counts[path][0], counts[path][1] + 1)
+    return counts
+
+
+def patch_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per kind: its new files and its diff
+    (``nonblank``: lines with more than whitespace only).
+
+    A new file's root copy is its final version: the lines later patches'
+    diffs add to it (net) are theirs, not the adding patch's.
+    """
     counts = dict.fromkeys(KINDS, (0, 0))
 
     def add(path: str, plus: int, minus: int) -> None:
         old = counts[_kind(path)]
         counts[_kind(path)] = (old[0] + plus, old[1] + minus)
 
+    patches = load_manifest(require_subject=False).patches
+    later = patches[[p.name for p in patches].index(patch.name) + 1 :]
+    later_diffs = [_diff_lines(p, nonblank) for p in later]
     for path in patch.files:
         text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
-        add(path, len(text.splitlines()), 0)
-    if patch.diff and (ROOT / patch.diff).is_file():
-        path = ""
-        for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
-            if line.startswith("diff --git "):
-                path = line.split(" b/", 1)[1]
-            elif line.startswith("+") and not line.startswith("+++ "):
-                add(path, 1, 0)
-            elif line.startswith("-") and not line.startswith("--- "):
-                add(path, 0, 1)
+        lines = [ln for ln in text.splitlines() if ln.strip() or not nonblank]
+        grown = sum(d[path][0] - d[path][1] for d in later_diffs if path in d)
+        add(path, len(lines) - grown, 0)
+    for path, (plus, minus) in _diff_lines(patch, nonblank).items():
+        add(path, plus, minus)
     return counts

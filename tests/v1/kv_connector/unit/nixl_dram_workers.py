@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheLayout,
+    KVCacheSpec,
     MLAAttentionSpec,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -59,22 +60,16 @@ def require_nixl():
     return NixlWrapper
 
 
-def plan_mla_caches(
-    num_layers: int, page_bytes: int, num_blocks: int, layout: str, device="cpu"
+def plan_caches(
+    specs: dict[str, KVCacheSpec], num_blocks: int, layout: str, device="cpu"
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
-    """Plan and allocate ``num_layers`` MLA caches as an engine would."""
+    """Plan and allocate one worker's ``specs`` (layer name: spec) as an
+    engine would."""
     config = _config(layout)
     config.model_config.max_model_len = 2 * BLOCK_SIZE
     config.cache_config.num_gpu_blocks_override = num_blocks
-    spec = MLAAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_size=page_bytes // BLOCK_SIZE,
-        dtype=torch.uint8,
-    )
-    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}]
-    groups = get_global_kv_cache_groups(config, specs)
-    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
+    groups = get_global_kv_cache_groups(config, [specs])
+    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [1 << 40], groups)
     kv_cache_config.kv_cache_layout = layout
     caches = allocate_kv_cache(
         kv_cache_config, torch.device(device), KVCacheLayout[layout], [BLOCK_SIZE]
@@ -82,24 +77,29 @@ def plan_mla_caches(
     return kv_cache_config, caches
 
 
+def plan_mla_caches(
+    num_layers: int, page_bytes: int, num_blocks: int, layout: str, device="cpu"
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """Plan and allocate ``num_layers`` MLA caches as an engine would."""
+    spec = MLAAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=page_bytes // BLOCK_SIZE,
+        dtype=torch.uint8,
+    )
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    return plan_caches(specs, num_blocks, layout, device)
+
+
 def plan_gqa_caches(
     num_layers: int, num_kv_heads: int, num_blocks: int, layout: str
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """Plan and allocate ``num_layers`` GQA caches (one TP rank's KV heads)."""
-    config = _config(layout)
-    config.model_config.max_model_len = 2 * BLOCK_SIZE
-    config.cache_config.num_gpu_blocks_override = num_blocks
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=8, dtype=torch.uint8
     )
-    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}]
-    groups = get_global_kv_cache_groups(config, specs)
-    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
-    kv_cache_config.kv_cache_layout = layout
-    caches = allocate_kv_cache(
-        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
-    )
-    return kv_cache_config, caches
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    return plan_caches(specs, num_blocks, layout)
 
 
 def _config(layout: str):

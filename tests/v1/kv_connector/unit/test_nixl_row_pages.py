@@ -14,16 +14,10 @@ import pytest
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
-from vllm.v1.core.kv_cache_planning import (
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
-)
 from vllm.v1.kv_cache_interface import (
-    KVCacheLayout,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
 )
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from .nixl_dram_workers import (
     BLOCK_SIZE,
@@ -32,13 +26,13 @@ from .nixl_dram_workers import (
     handshake,
     make_worker,
     nonzero_bytes,
+    plan_caches,
     plan_mla_caches,
     pull,
     pull_groups,
     require_nixl,
     zero_allocations,
 )
-from .utils import create_vllm_config
 
 NUM_LAYERS = 3
 PAGE_BYTES = 512
@@ -134,33 +128,21 @@ def test_rows_packed_otherwise_read_page_by_page():
 def _plan_groups(layout: str):
     """Full and sliding-window MLA layers: two transfer groups, which a
     block-outermost layout overlays in one row from byte 0."""
-    config = create_vllm_config(block_size=BLOCK_SIZE, kv_role="kv_both")
-    config.cache_config.kv_cache_layout = layout
-    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-    config.model_config.max_model_len = 2 * BLOCK_SIZE
     common = dict(
         block_size=BLOCK_SIZE,
         num_kv_heads=1,
         head_size=PAGE_BYTES // BLOCK_SIZE,
         dtype=torch.uint8,
     )
-    specs = [
-        {
-            f"model.layers.{i}.self_attn.attn": (
-                SlidingWindowMLASpec(**common, sliding_window=BLOCK_SIZE)
-                if i % 2
-                else MLAAttentionSpec(**common)
-            )
-            for i in range(2 * NUM_LAYERS)
-        }
-    ]
-    groups = get_global_kv_cache_groups(config, specs)
-    (kv_cache_config,) = get_kv_cache_configs(config, specs, [1 << 40], groups)
-    kv_cache_config.kv_cache_layout = layout
-    caches = allocate_kv_cache(
-        kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK_SIZE]
-    )
-    return kv_cache_config, caches
+    specs = {
+        f"model.layers.{i}.self_attn.attn": (
+            SlidingWindowMLASpec(**common, sliding_window=BLOCK_SIZE)
+            if i % 2
+            else MLAAttentionSpec(**common)
+        )
+        for i in range(2 * NUM_LAYERS)
+    }
+    return plan_caches(specs, NUM_BLOCKS, layout)
 
 
 @pytest.mark.cpu_test
