@@ -154,13 +154,26 @@ def handshake(
     prefill: NixlPullConnectorWorker,
     remote_tp_rank: int = 0,
     remote_tp_size: int = 1,
-):
-    """Hand P's advertised metadata to D, as ``_nixl_handshake`` does."""
+) -> int:
+    """Hand P's advertised metadata to D, as ``_nixl_handshake`` does.
+
+    Returns:
+        How many times D validated it (``_validate_remote_agent_handshake``).
+
+    """
     meta = msgspec.msgpack.decode(
         prefill.xfer_handshake_metadata.agent_metadata_bytes, type=NixlAgentMetadata
     )
-    name = decode.add_remote_agent(meta, remote_tp_rank, remote_tp_size)
+    validate = bw.NixlBaseConnectorWorker._validate_remote_agent_handshake
+    with patch.object(
+        bw.NixlBaseConnectorWorker,
+        "_validate_remote_agent_handshake",
+        autospec=True,
+        side_effect=validate,
+    ) as validated:
+        name = decode.add_remote_agent(meta, remote_tp_rank, remote_tp_size)
     decode._remote_agents.setdefault(prefill.engine_id, {})[(0, remote_tp_rank)] = name
+    return validated.call_count
 
 
 def pull(
