@@ -381,7 +381,8 @@ class _Side:
                 coalesce=True,
                 tp_rank=rank,
                 tp_size=self.config.tp,
-                settings=self._user_settings,
+                settings=self._set_block_size,
+                layout_reason=self.layout_reason,
             )
 
     def heads(self, tp: int | None = None, rank: int | None = None) -> range:
@@ -406,13 +407,6 @@ class _Side:
         config.cache_config.user_specified_block_size = (
             self.config.block_size is not None
         )
-
-    def _user_settings(self, config: Any) -> None:
-        """The block size the user set, and why the layout was resolved (the
-        reason reaches the workers where the tree records one)."""
-        self._set_block_size(config)
-        if hasattr(config.cache_config, "kv_cache_layout_reason"):
-            config.cache_config.kv_cache_layout_reason = self.layout_reason
 
     @contextmanager
     def _settings(self) -> Iterator[None]:

@@ -1269,6 +1269,7 @@ def make_zoo_worker(
     tp_rank: int = 0,
     tp_size: int = 1,
     settings: Callable[[VllmConfig], None] | None = None,
+    layout_reason: str | None = None,
 ) -> NixlPullConnectorWorker:
     """Build a NIXL pull worker over a layout and run the real registration.
 
@@ -1290,6 +1291,10 @@ def make_zoo_worker(
         tp_size: TP world size.
         settings: Applies what a user set on the instance to the worker's
             config (e.g. ``--block-size``), after the layout's own.
+        layout_reason: Why the tree resolved the layout
+            (``CacheConfig.kv_cache_layout_reason``, which the resolver sends
+            the workers with its name), where the tree records one; the
+            fork's workers register GQA rows whole only under its preference.
 
     Returns:
         The registered worker (``xfer_handshake_metadata`` is set).
@@ -1306,6 +1311,8 @@ def make_zoo_worker(
     config.cache_config.kv_cache_layout = layout.kv_cache_layout
     if settings is not None:
         settings(config)
+    if layout_reason is not None:
+        config.cache_config.kv_cache_layout_reason = layout_reason
     backend = _fake_backend(layout.backend_name, layout.block_size)
     nixl_cls = _real_nixl_wrapper() if real_nixl else RecordingNixl
     with ExitStack() as stack:

@@ -59,18 +59,6 @@ def _use_tree(tree: str) -> None:
     os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
 
 
-def _layout_reason(reason: str | None) -> Any:
-    """Settings that give a worker the reason its tree resolved the layout
-    with (the workers of a tree that records one register by it)."""
-    if reason is None:
-        return None
-
-    def settings(config: Any) -> None:
-        config.cache_config.kv_cache_layout_reason = reason
-
-    return settings
-
-
 class Side:
     """One worker of the pair, its layout and whether it stages."""
 
@@ -347,7 +335,7 @@ class Child:
                 coalesce=self.coalesce,
                 tp_rank=rank,
                 tp_size=tp,
-                settings=_layout_reason(layout_reason),
+                layout_reason=layout_reason,
             )
             if stages and (not worker.use_host_buffer or worker.copy_blocks is None):
                 raise RuntimeError(f"{role}: the worker does not stage")
