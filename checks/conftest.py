@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Project-level checks of the fork (build/vllm), outside the exported series.
 
-Run from the repository root with ``PYTHONPATH=build/vllm`` (``tools/run_tests.py``
+Run from the repository root with ``PYTHONPATH=build/vllm`` (``forktools/run_tests.py``
 does): ``import vllm`` and ``import tests...`` then load the patched tree.
 """
 

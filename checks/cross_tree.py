@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from forktools.paths import ROOT
+
 # The request of ``run_killed``.
 KILLED_REQ = "req-killed"
 
@@ -324,13 +325,6 @@ def series_refusal(pair: Pair) -> str | None:
 # ------------------------------------------------------------------ child side
 
 
-def _bench_path() -> None:
-    """Make the main job's modules (``tools/bench``) importable."""
-    bench = str(ROOT / "tools" / "bench")
-    if bench not in sys.path:
-        sys.path.append(bench)
-
-
 # The layout each configuration resolved to and why (``_Side._resolve``), in
 # this process.
 _RESOLVED: dict[Config, tuple[str, str | None]] = {}
@@ -354,8 +348,8 @@ class _Side:
         if self.config not in _RESOLVED:
             _RESOLVED[self.config] = self._resolve()
         self.layout_name, self.layout_reason = _RESOLVED[self.config]
-        from checks.layout_zoo import build_zoo_layout, make_zoo_worker
-        from checks.real_nixl import fill_pattern, zero
+        from forktools.harness.layout_zoo import build_zoo_layout, make_zoo_worker
+        from forktools.harness.real_nixl import fill_pattern, zero
 
         # ``geometry``: build_zoo_layout's keywords (the main job's layers,
         # scale and pages) over the defaults: 32 blocks of the user's size.
@@ -388,16 +382,16 @@ class _Side:
     def heads(self, tp: int | None = None, rank: int | None = None) -> range:
         """The KV heads TP rank ``rank`` of ``tp`` holds (default: this one),
         as the main job's heterogeneous-TP scenarios place them."""
-        _bench_path()
-        from job_child import _rank_heads
         from tests.v1.kv_connector.unit.utils import create_vllm_config
+
+        from forktools.harness.blocks import rank_heads
 
         if not hasattr(self, "_total_heads"):
             config = create_vllm_config(block_size=self.layout.block_size)
             assert self.layout.configure is not None
             self.layout.configure(config)
             self._total_heads = config.model_config.get_total_num_kv_heads()
-        return _rank_heads(
+        return rank_heads(
             self._total_heads,
             self.config.tp if tp is None else tp,
             self.rank if rank is None else rank,
@@ -437,7 +431,7 @@ class _Side:
             resolve_kv_cache_layout,
         )
 
-        from checks.layout_zoo import build_zoo_layout
+        from forktools.harness.layout_zoo import build_zoo_layout
 
         c = self.config
         classes = []
@@ -579,7 +573,7 @@ class _Side:
         """Read the request; ``pages``: each prefiller rank's pages, by rank."""
         from functools import partial
 
-        from checks.real_nixl import pull_request
+        from forktools.harness.real_nixl import pull_request
 
         out: dict[str, Any] = {"accepted": False}
         local, remote, ratio = self.local, self.remote, self.ratio
@@ -638,9 +632,7 @@ class _Side:
         import torch
 
         from checks.pairing_matrix import _padded_pages
-
-        _bench_path()
-        from job_nixl import verify_heads_and_zero
+        from forktools.bench.job_nixl import verify_heads_and_zero
 
         if ratio != 1:
             raise NotImplementedError("heterogeneous TP with P/D block sizes")
@@ -756,7 +748,7 @@ class _Side:
         import torch
 
         from checks.pairing_matrix import _padded_pages
-        from checks.real_nixl import pull_request
+        from forktools.harness.real_nixl import pull_request
 
         stub = type("Peer", (), {"engine_id": "prefill", "use_host_buffer": False})
         result = pull_request(
@@ -791,7 +783,7 @@ class _Side:
 
     def post(self, local: list[list[int]], remote: list[list[int]]) -> dict:
         """Submit a request as ``start_load_kv`` does; return once posted."""
-        from checks.real_nixl import request_meta
+        from forktools.harness.real_nixl import request_meta
 
         self.posted = local
         meta = request_meta(

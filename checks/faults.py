@@ -45,9 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checks.layout_zoo import build_zoo_layout, make_zoo_worker
 from checks.pairing_matrix import _request, _truth
-from checks.real_nixl import connect, probe_real_nixl, request_meta, stage_request
+from forktools.harness.layout_zoo import build_zoo_layout, make_zoo_worker
+from forktools.harness.real_nixl import (
+    connect,
+    probe_real_nixl,
+    request_meta,
+    stage_request,
+)
 
 NUM_BLOCKS = 32
 
@@ -310,8 +315,8 @@ def scheduler_outcome(
 
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake, submit and poll one case; return its outcome."""
-    from checks.layout_zoo import fill_pattern, zero
     from checks.pairing_matrix import _uninitialised_empty
+    from forktools.harness.layout_zoo import fill_pattern, zero
 
     p_layout = build_zoo_layout(case.prefill, num_blocks=NUM_BLOCKS)
     d_layout = build_zoo_layout(case.decode, num_blocks=NUM_BLOCKS)

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
-from checks.layout_zoo import (
+from forktools.harness.blocks import rank_heads
+from forktools.harness.layout_zoo import (
     HEAD_SHARDED,
     ZOO,
     ZooLayout,
@@ -52,7 +53,12 @@ from checks.layout_zoo import (
     make_zoo_worker,
     model_family,
 )
-from checks.real_nixl import connect, probe_real_nixl, pull_request, stage_request
+from forktools.harness.real_nixl import (
+    connect,
+    probe_real_nixl,
+    pull_request,
+    stage_request,
+)
 
 NUM_BLOCKS = 32
 _NON_MLA = {
@@ -605,11 +611,6 @@ def _head_truth(d_layout, p_layouts, case, decode, local, remote, raws) -> dict:
     of D's ``[B, H, N, C]`` views against the P rank that holds it."""
     import torch
 
-    def rank_heads(total: int, tp_size: int, rank: int) -> range:
-        # Tree-independent; total >= tp_size here.
-        per_rank = total // tp_size
-        return range(rank * per_rank, (rank + 1) * per_rank)
-
     p, d = case.prefill, case.decode
     total = decode.transfer_topo.total_num_kv_heads
     d_heads = rank_heads(total, d.tp_size, d.tp_rank)
@@ -659,7 +660,7 @@ def _failure(out: dict[str, Any], step: str, e: BaseException) -> dict[str, Any]
 
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake and pull one case; return what a user could observe."""
-    from checks.layout_zoo import fill_pattern, zero
+    from forktools.harness.layout_zoo import fill_pattern, zero
 
     p_ranks = _prefill_ranks(case)
     p_layouts = [case.prefill.build() for _ in p_ranks]

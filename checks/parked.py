@@ -4,39 +4,21 @@
 A check of something a patch adds (a read path, a registration, a refusal)
 names that patch here, at the check: ``needs(patch)`` is a pytest mark that
 skips it while the manifest parks the patch, with a reason that starts with
-``"parked: "`` and names the stack and the patch. ``tools/run_tests.py``
+``"parked: "`` and names the stack and the patch. ``forktools/run_tests.py``
 counts those skips in the suite's note. Unparking the patch (and rebuilding
 ``build/vllm``) runs the check again: nothing is dropped silently.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from forktools.manifest import load_manifest
+
 PREFIX = "parked: "
 
 
-def _manifest():
-    """``tools/manifest.py`` (stdlib only), loaded without its directory on
-    ``sys.path`` (its name would shadow others)."""
-    name = "_series_manifest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, ROOT / "tools" / "manifest.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name].load_manifest()
-
-
-_MANIFEST = _manifest()
+_MANIFEST = load_manifest()
 BUILT: frozenset[str] = frozenset(p.name for p in _MANIFEST.patches)
 PARKED: dict[str, str] = {p.name: p.stack for p in _MANIFEST.parked}
 

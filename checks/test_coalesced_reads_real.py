@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("nixl")
 
 from checks.parked import needs  # noqa: E402
-from checks.real_nixl import (  # noqa: E402
+from forktools.harness.real_nixl import (  # noqa: E402
     INDEXER_PAGE,
     MLA_PAGE,
     NUM_BLOCKS,
@@ -44,7 +44,7 @@ from checks.real_nixl import (  # noqa: E402
     pull_request,
     zero,
 )
-from checks.row_layouts import (  # noqa: E402
+from forktools.harness.row_layouts import (  # noqa: E402
     BuiltLayout,
     Page,
     Storage,

@@ -31,7 +31,7 @@ from checks.cross_tree import (  # noqa: E402
     run_pairs,
     series_refusal,
 )
-from checks.real_nixl import probe_real_nixl  # noqa: E402
+from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 OUT = ROOT / "build" / "checks" / "cross_tree.json"
 
@@ -47,7 +47,9 @@ def results() -> dict:
     }
     for tree in trees.values():
         if not (tree / "vllm" / "__init__.py").is_file():
-            pytest.fail(f"{tree} is not a vLLM tree (tools/run_tests.py makes both)")
+            pytest.fail(
+                f"{tree} is not a vLLM tree (forktools/run_tests.py makes both)"
+            )
     oracles = list({p.oracle().name: p.oracle() for p in CROSS_CASES}.values())
     got = run_pairs(list(CROSS_CASES) + oracles, trees)
     OUT.parent.mkdir(parents=True, exist_ok=True)

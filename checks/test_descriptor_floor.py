@@ -26,9 +26,14 @@ import random
 
 import pytest
 
-from checks.layout_zoo import build_zoo_layout, fill_pattern, make_zoo_worker, zero
 from checks.parked import param
-from checks.real_nixl import connect, probe_real_nixl, pull_request
+from forktools.harness.layout_zoo import (
+    build_zoo_layout,
+    fill_pattern,
+    make_zoo_worker,
+    zero,
+)
+from forktools.harness.real_nixl import connect, probe_real_nixl, pull_request
 
 pytest.importorskip("nixl")
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 under faults and bad peer input (real NIXL).
 
-``tools/run_tests.py`` first runs ``checks.faults --json`` against the
+``forktools/run_tests.py`` first runs ``checks.faults --json`` against the
 pristine 0.34.0 tree (``build/stock``) and passes its JSON in
 ``STOCK_FAULTS``. Every case then runs here on the fork (``checks/faults.py``
 says what each injects). On every case the fork must:
@@ -36,7 +36,7 @@ pytest.importorskip("nixl")
 
 from checks.faults import CASES, INPUT_FAULTS, Case, run_case  # noqa: E402
 from checks.parked import param  # noqa: E402
-from checks.real_nixl import probe_real_nixl  # noqa: E402
+from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def stock() -> dict:
     if not path.is_file():
         pytest.fail(
             f"{path} missing: run `PYTHONPATH=build/stock:. python -m "
-            f"checks.faults --json {path}` (tools/run_tests.py does)"
+            f"checks.faults --json {path}` (forktools/run_tests.py does)"
         )
     return json.loads(path.read_text(encoding="utf-8"))
 
@@ -77,7 +77,7 @@ def test_fault_is_reported_and_contained(stock: dict, case: Case):
 
 
 # The same cases as run on the prefixes of the series that introduced a read
-# path (tools/run_tests.py writes them and names the files in PREFIX_FAULTS);
+# path (forktools/run_tests.py writes them and names the files in PREFIX_FAULTS);
 # a prefix ending in a parked patch is not built: parked with it
 # (PARKED_FAULT_PREFIXES).
 PREFIX_RUNS = [

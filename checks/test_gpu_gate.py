@@ -13,7 +13,8 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from forktools.paths import ROOT
+
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 
 

@@ -11,7 +11,8 @@ the pairing matrix (``test_pairing_matrix.py``).
 import pytest
 import torch
 
-from checks.layout_zoo import (
+from checks.parked import is_parked
+from forktools.harness.layout_zoo import (
     ZOO,
     ZooLayout,
     build_zoo_layout,
@@ -21,7 +22,6 @@ from checks.layout_zoo import (
     model_family,
     zero,
 )
-from checks.parked import is_parked
 
 pytestmark = pytest.mark.cpu_test
 
@@ -55,7 +55,7 @@ REFUSED_AT_REGISTRATION = {
 def real_nixl() -> None:
     """Skip unless real NIXL agents can READ host DRAM here."""
     pytest.importorskip("nixl")
-    from checks.real_nixl import probe_real_nixl
+    from forktools.harness.real_nixl import probe_real_nixl
 
     reason = probe_real_nixl()
     if reason is not None:

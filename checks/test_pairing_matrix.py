@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 on every P/D pair of the pairing matrix.
 
-``tools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` against
+``forktools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` against
 the pristine 0.34.0 tree (``build/stock``) and passes its JSON in
 ``STOCK_MATRIX``. Every case then runs here on the fork and is held against
 stock's run of the same case: each side the same configuration (layout,
@@ -53,7 +53,7 @@ from checks.pairing_matrix import (  # noqa: E402
     run_case,
 )
 from checks.parked import is_parked  # noqa: E402
-from checks.real_nixl import probe_real_nixl  # noqa: E402
+from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def stock() -> dict:
     if not path.is_file():
         pytest.fail(
             f"{path} missing: run `PYTHONPATH=build/stock:. python -m "
-            f"checks.pairing_matrix --oracle --json {path}` (tools/run_tests.py does)"
+            f"checks.pairing_matrix --oracle --json {path}` (the test command does)"
         )
     return json.loads(path.read_text(encoding="utf-8"))
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The release routine (``tools/release.py take``) on the real 0.33.0 -> 0.34.0
+"""The release routine (``forktools/release.py take``) on the real 0.33.0 -> 0.34.0
 move: the series' last 0.33.0 state (ff9b7dc) taken onto 0.34.0.
 
 It must stop at 0001 naming the two files whose conflicts a hand-made
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from forktools.paths import ROOT
+
 REV = "ff9b7dc2a7010da264e422733669e50d4e3c584d"  # the series' last 0.33.0 state
 SHA_0340 = "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"
 HMA_TEST = "tests/v1/kv_connector/unit/test_nixl_connector_hma.py"
@@ -45,7 +46,7 @@ def _snapshot() -> dict[str, str]:
 
 def _take(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [
-        sys.executable, str(ROOT / "tools" / "release.py"), "take", "0.34.0",
+        sys.executable, "-m", "forktools.release", "take", "0.34.0",
         "--sha256", SHA_0340, "--from", REV, "--dry-run", "--work", str(work),
         *extra,
     ]  # fmt: skip

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The repository keeps each new file of the series as the whole series leaves
-it (``tools/fork.py``): a root copy equals build/vllm HEAD's, and ``build``
+it (``forktools/fork.py``): a root copy equals build/vllm HEAD's, and ``build``
 derives the version a patch adds from the later patches' diffs.
 
 Stdlib and git only (no vLLM): the test command's suite ``root-final`` runs it
@@ -18,14 +18,14 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from forktools.paths import ROOT
 
 
 def test_root_copies_are_the_built_tree_final_versions() -> None:
     if not (ROOT / "build" / "vllm" / ".git").is_dir():
-        pytest.skip("build/vllm missing: run `python3 tools/fork.py build`")
+        pytest.skip("build/vllm missing: run `python3 -m forktools.fork build`")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "fork.py"), "check-root"],
+        [sys.executable, "-m", "forktools.fork", "check-root"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -60,10 +60,9 @@ V3 = "def f():\n    return 2\n\n\ndef g():\n    return 4\n"
 
 @pytest.fixture
 def fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """tools/fork.py on a scratch repository and a tiny fake release sdist."""
+    """forktools/fork.py on a scratch repository and a tiny fake release sdist."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import fork
-    import manifest
+    from forktools import fork, manifest
 
     repo = tmp_path / "repo"
     (repo / "series" / "diffs").mkdir(parents=True)

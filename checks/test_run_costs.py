@@ -1,24 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tools/run_costs.py records what README's run-costs table renders."""
+"""forktools/run_costs.py records what README's run-costs table renders."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from forktools import run_costs
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location(
-        "run_costs", ROOT / "tools" / "run_costs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.reload(run_costs)
 
 
 def test_phases_memory_and_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -39,10 +34,8 @@ def test_phases_memory_and_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_readme_renders_it(tmp_path: Path) -> None:
     import json
-    import sys
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    import cover_letters
+    from forktools import docs_tables as cover_letters
 
     run = {
         "command": "bash tools/test.sh", "fresh": True, "exit": 0,

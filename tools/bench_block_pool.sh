@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # The block-pool figures, in one process: the allocator micro-benchmark
-# (tools/bench/block_pool_alloc.py: sorted vs queue order per get_new_blocks
+# (forktools/bench/block_pool_alloc.py: sorted vs queue order per get_new_blocks
 # call, every pool state and size, JSON for the cover letters) whose replay
-# state is the full agentic replay (tools/bench/block_pool_replay.py: runs per
+# state is the full agentic replay (forktools/bench/block_pool_replay.py: runs per
 # transfer, hit rate, its table and run-length plot). Run after
-# `bash tools/main.sh` or `tools/fork.py build`; extra arguments go to the
+# `bash tools/main.sh` or `forktools/fork.py build`; extra arguments go to the
 # micro-benchmark (e.g. --quick: 100k-block pools and a short replay).
 #
 # Writes build/bench/block_pool_alloc.json (rows), block_pool_alloc.txt (what
@@ -17,11 +17,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 VPY=${ENV_DIR:-$ROOT/.venv}/bin/python
 TREE=$ROOT/build/vllm
-[[ -d $TREE/.git ]] || { echo "bench_block_pool: run tools/fork.py build first" >&2; exit 1; }
+[[ -d $TREE/.git ]] || { echo "bench_block_pool: run forktools/fork.py build first" >&2; exit 1; }
 mkdir -p build/bench
 export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$TREE"
 echo "bench_block_pool: allocator micro-benchmark and agentic replay"
-if ! "$VPY" tools/bench/block_pool_alloc.py \
+if ! "$VPY" -m forktools.bench.block_pool_alloc \
     --json build/bench/block_pool_alloc.json \
     "--replay-args=--plot build/bench/block_pool_replay.png" --replay-report \
     "$@" 2>build/bench/block_pool_alloc.log | tee build/bench/block_pool_alloc.txt; then

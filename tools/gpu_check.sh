@@ -6,7 +6,7 @@
 # acceptance thresholds") for vLLM 0.34.0 + the series, on a machine with
 # NVIDIA GPUs that reaches PyPI and Hugging Face:
 #
-#   bash tools/gpu_check.sh             # after `tools/fork.py build` (build/vllm)
+#   bash tools/gpu_check.sh             # after `forktools/fork.py build` (build/vllm)
 #   bash tools/gpu_check.sh --dry-run   # print every command; install and run nothing
 #
 # 1. Copies the patched tree ($VLLM_SRC) to $GATE_WORK/src and installs it
@@ -64,10 +64,10 @@ run() { show "$@"; if [ "${DRY_RUN}" = 0 ]; then "$@"; fi; }
 if [ "${DRY_RUN}" = 1 ]; then
     NGPU="${GATE_NUM_GPUS:-4}" CC="${GATE_CC:-9.0}"
     echo "== dry run: nothing is installed or started; assuming ${NGPU} GPUs of capability ${CC}"
-    [ -d "${SRC}/vllm" ] || echo "== (no tree at ${SRC} yet: run python3 tools/fork.py build)"
+    [ -d "${SRC}/vllm" ] || echo "== (no tree at ${SRC} yet: run python3 -m forktools.fork build)"
 else
     [ -f "${SRC}/setup.py" ] && [ -d "${SRC}/vllm" ] \
-        || die "no vLLM tree at ${SRC}: run python3 tools/fork.py build (or set VLLM_SRC)"
+        || die "no vLLM tree at ${SRC}: run python3 -m forktools.fork build (or set VLLM_SRC)"
     NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
     [ "${NGPU}" -ge 1 ] || die "no NVIDIA GPU here (nvidia-smi -L)"
     CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1)"

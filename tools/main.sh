@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # The main job: set up the env, build the patched vLLM tree (build/vllm) and
-# run the main job (tools/bench/nixl_main_job.py) against it: NIXL
+# run the main job (forktools/bench/nixl_main_job.py) against it: NIXL
 # descriptors and time per READ for the P/D scenarios
-# (tools/bench/job_scenarios.py), one row per prefix of the series (stock =
+# (forktools/bench/job_scenarios.py), one row per prefix of the series (stock =
 # the release of series/release.toml, then each prefix as build/vllm builds
 # it, numbered by its last patch's place in series/manifest.toml: each the
 # real code of its own worktree of build/vllm under build/prefixes/, one
@@ -13,13 +13,13 @@
 # need a patch the manifest parks are listed ("parked: <row>: needs <patch>",
 # with a count), never run. Writes build/bench/nixl_descriptors.json and
 # prints the tables rendered from it,
-# then the regions per zoo P/D pair (tools/zoo_regions.py,
+# then the regions per zoo P/D pair (forktools/bench/zoo_regions.py,
 # build/bench/zoo_regions.json) and one line per fault case on stock, the
-# read paths' prefixes and the series (tools/fault_lines.py,
+# read paths' prefixes and the series (forktools/bench/fault_lines.py,
 # build/bench/faults.json), then real engines end to end: prefill and decode
 # vLLM engines over NIXL on CPU, stock and series trees, each tiny model
 # (checks/e2e/driver.py, build/bench/e2e.json; the first run also builds
-# vLLM's CPU extension, which tools/cpu_ext.py caches). Each phase's time,
+# vLLM's CPU extension, which forktools/cpu_ext.py caches). Each phase's time,
 # the peak memory and the disk go to build/costs/main.json (README's
 # run-costs table). Extra arguments go to the job (default:
 # --out build/bench --verify sample), e.g. --repeat 3, --quick, or
@@ -29,7 +29,7 @@
 # (for someone who is editing that tree: build would reset unsaved work).
 set -euo pipefail
 
-BENCH=tools/bench/nixl_main_job.py
+BENCH=forktools.bench.nixl_main_job
 BENCH_DEFAULT_ARGS=(--out build/bench --verify sample)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,7 +43,7 @@ HF_DIR=${HF_DIR:-build/hf}
 case $HF_DIR in /*) ;; *) HF_DIR=$ROOT/$HF_DIR ;; esac
 
 # Time per phase, peak memory and disk: build/costs/main.json (README).
-costs() { python3 tools/run_costs.py "$1" main "${@:2}" || true; }
+costs() { python3 -m forktools.run_costs "$1" main "${@:2}" || true; }
 costs begin
 costs sample $$ >/dev/null 2>&1 &
 trap 'costs end $?' EXIT
@@ -57,7 +57,7 @@ if [[ ${FORK_NO_BUILD:-0} == 1 ]]; then
   fi
   echo "main: FORK_NO_BUILD=1: using build/vllm as it is ($(git -C "$TREE" log -1 --format='%h %s'))"
 else
-  "$VPY" tools/fork.py build
+  "$VPY" -m forktools.fork build
 fi
 
 # The JSON names the command that wrote it (the tables quote it).
@@ -72,7 +72,7 @@ export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
 # tools/test_site: the test command's site hooks (lifts the release's x86
 # "requires Triton" gate on CPU-only hosts).
 export PYTHONPATH="$TREE:$ROOT:$ROOT/tools/test_site"
-"$VPY" "$BENCH" "$@"
+"$VPY" -m "$BENCH" "$@"
 # zoo_regions.py and fault_lines.py exit with PARKED (75) when checks/ does
 # not work on the release yet: they print "parked: <reason>" and the job goes
 # on; any other failure stops it.
@@ -89,21 +89,21 @@ parked_ok() {
 # Regions per planner-built P/D pair beyond the job's scenarios, stock and
 # with the series (recorded NIXL, ~20 s).
 echo
-echo "main: regions per P/D pair of the layout zoo (tools/zoo_regions.py)"
-parked_ok "$VPY" tools/zoo_regions.py --json build/bench/zoo_regions.json
+echo "main: regions per P/D pair of the layout zoo (forktools/bench/zoo_regions.py)"
+parked_ok "$VPY" -m forktools.bench.zoo_regions --json build/bench/zoo_regions.json
 # One line per fault case: the outcome on stock, on the prefixes that
 # introduced a read path (parked ones listed), and on the series
 # (checks/faults.py, ~1 min).
 echo
-echo "main: fault cases per tree (tools/fault_lines.py)"
-parked_ok "$VPY" tools/fault_lines.py --json build/bench/faults.json
-# Real engines: a prefill and a decode engine per tree (stock 0.33.0 in
+echo "main: fault cases per tree (forktools/bench/fault_lines.py)"
+parked_ok "$VPY" -m forktools.bench.fault_lines --json build/bench/faults.json
+# Real engines: a prefill and a decode engine per tree (stock in
 # build/stock, the series in build/vllm) for each tiny model, with the CPU
-# extension tools/cpu_ext.py builds once and caches.
+# extension forktools/cpu_ext.py builds once and caches.
 echo
 costs mark engines
 echo "main: real engines end to end (checks/e2e/driver.py)"
-STOCK=$("$VPY" -c 'import sys; sys.path[:0] = ["tools"]
-from testrun.project_checks import stock_worktree; print(stock_worktree())')
-"$VPY" tools/cpu_ext.py install "$TREE" "$STOCK"
+STOCK=$("$VPY" -c 'from forktools.testrun.project_checks import stock_worktree
+print(stock_worktree())')
+"$VPY" -m forktools.cpu_ext install "$TREE" "$STOCK"
 STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.e2e.driver --json build/bench/e2e.json

@@ -53,7 +53,7 @@ NIXL_EXCEPTION=$(release exceptions nixl)
 SDIST=build/cache/vllm-$VLLM_VERSION.tar.gz
 COMMON_TXT=build/cache/vllm-$VLLM_VERSION-common.txt
 
-# Needed to build the sdist's metadata without isolation (tools/fork.py fetch).
+# Needed to build the sdist's metadata without isolation (forktools/fork.py fetch).
 BOOTSTRAP_PKGS=(
   "torch==$TORCH_VERSION" "setuptools>=77,<81" "setuptools-scm>=8" "setuptools-rust>=1.9"
   packaging wheel jinja2
@@ -66,7 +66,7 @@ TEST_PKGS=(
   fastapi partial-json-parser llguidance einops ray apache-tvm-ffi pydantic
   matplotlib tqdm regex pyyaml
   # The end-to-end engines (checks/e2e): what the engine imports on top, and
-  # what tools/cpu_ext.py builds the CPU extension with (the release's
+  # what forktools/cpu_ext.py builds the CPU extension with (the release's
   # requirements/build/cpu.txt range).
   compressed-tensors loguru "cmake>=3.26.1,<4" ninja
   # The served P/D suite (checks/served): what `vllm serve` imports on top
@@ -148,11 +148,20 @@ write_hf_config() {
 EOF
 }
 
+# The project's packages (forktools, checks) import in every process of the
+# venv, whichever vLLM tree leads its PYTHONPATH: a .pth names the repository.
+link_tooling() {
+  local site
+  site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n' "$ROOT" >"$site/forktools.pth"
+}
+
 # Fast path: everything already in place.
 STAMP=$ENV_DIR/.setup-env-stamp
 if [[ $FREEZE == 0 && -x $VPY && -f $STAMP && "$(cat "$STAMP")" == "$(stamp_key)" ]] \
     && { [[ -x $MARKDOWNLINT ]] || ! command -v npm >/dev/null; }; then
-  "$VPY" tools/fork.py fetch >/dev/null || exit 1
+  link_tooling
+  "$VPY" -m forktools.fork fetch >/dev/null || exit 1
   write_hf_config
   echo "setup_env: $ENV_DIR up to date"
   exit 0
@@ -166,6 +175,7 @@ if [[ ! -x $VPY ]]; then
     "$VLLM_VERSION supports >=3.11,<3.15); set PYTHON=python3.12, for example"
   step "python -m venv" "$PYTHON" -m venv "$ENV_DIR"
 fi
+link_tooling
 if [[ "$("$ENV_DIR/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
   step "pip install uv" "$VPY" -m pip install -q --retries 1 --timeout 20 \
     "uv==$UV_VERSION"
@@ -201,7 +211,7 @@ fi
 uvpip() { "$ENV_DIR/bin/uv" pip install "${UV_ARGS[@]}" "$@"; }
 
 step "install build deps" uvpip "${BOOTSTRAP_PKGS[@]}"
-step "fetch sdist" "$VPY" tools/fork.py fetch
+step "fetch sdist" "$VPY" -m forktools.fork fetch
 # vLLM's own pins (requirements/common.txt) come from the pristine release.
 tar -xzf "$SDIST" -O "vllm-$VLLM_VERSION/requirements/common.txt" >"$COMMON_TXT" \
   || die "cannot read requirements/common.txt from $SDIST"

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # THE test command: set up the env, rebuild build/vllm from the series and run
-# every suite of tools/run_tests.py (lint, series tests, roundtrip, upstream
+# every suite of forktools/run_tests.py (lint, series tests, roundtrip, upstream
 # NIXL and block-pool CPU suites), ending with one summary table.
 #
 #   bash tools/test.sh                   # everything
@@ -30,18 +30,18 @@ done
 
 start=$SECONDS
 # Time per phase, peak memory and disk: build/costs/test.json (README).
-costs() { python3 tools/run_costs.py "$1" test "${@:2}" || true; }
+costs() { python3 -m forktools.run_costs "$1" test "${@:2}" || true; }
 costs begin
 costs sample $$ >/dev/null 2>&1 &
 costs mark setup
 bash tools/setup_env.sh
 if [[ $BUILD == 1 ]]; then
   costs mark build
-  "$VPY" tools/fork.py build
+  "$VPY" -m forktools.fork build
 fi
 costs mark tests
 rc=0
-"$VPY" tools/run_tests.py ${ARGS[@]+"${ARGS[@]}"} || rc=$?
+"$VPY" -m forktools.run_tests ${ARGS[@]+"${ARGS[@]}"} || rc=$?
 costs end "$rc"
 echo "test.sh: $((SECONDS - start))s in total, exit $rc"
 exit "$rc"

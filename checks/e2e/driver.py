@@ -3,7 +3,7 @@
 
 Each engine is its own process (``checks/e2e/engine.py``) running one tree:
 the stock release (``build/stock``) or the fork (``build/vllm``), both with the CPU
-extension the project builds (``tools/cpu_ext.py``). For each tiny model
+extension the project builds (``forktools/cpu_ext.py``). For each tiny model
 (``checks/e2e/models.py``):
 
 1. a single engine (stock, no connector) gives the reference greedy tokens,
@@ -51,14 +51,13 @@ from typing import Any
 
 from checks.e2e import report
 from checks.e2e.models import MODELS, TinyModel, make
+from forktools.paths import ROOT, TEST_SITE
 
-ROOT = Path(__file__).resolve().parents[2]
 TREES = {
     "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
     "series": Path(os.environ.get("SERIES_TREE", ROOT / "build" / "vllm")),
 }
 LOG_DIR = ROOT / "build" / "e2e" / "logs"
-TEST_SITE = ROOT / "tools" / "test_site"
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 2048
 # A small pool (what max_model_len needs, and a little more), so that blocks
@@ -626,7 +625,8 @@ def run_all(models: list[TinyModel], faults: bool = True) -> dict[str, Any]:
     for tree in trees.values():
         if not list((tree / "vllm").glob("_C*.so")):
             raise SystemExit(
-                f"e2e: {tree} has no vllm/_C*.so: run tools/cpu_ext.py install first"
+                f"e2e: {tree} has no vllm/_C*.so: run "
+                "python -m forktools.cpu_ext install"
             )
     out: dict[str, Any] = {"models": [], "faults": []}
     for model in models:
@@ -643,7 +643,7 @@ def run_all(models: list[TinyModel], faults: bool = True) -> dict[str, Any]:
 
 
 def cpu_ext_build() -> dict[str, Any] | None:
-    """What ``tools/cpu_ext.py`` recorded of the build the trees link to."""
+    """What ``forktools/cpu_ext.py`` recorded of the build the trees link to."""
     for lib in (TREES["series"] / "vllm").glob("_C*.so"):
         info = lib.resolve().parent / "build.json"
         if info.exists():

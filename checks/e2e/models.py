@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from forktools.paths import ROOT
+
 MODELS_DIR = ROOT / "build" / "e2e" / "models"
 
 

@@ -2,7 +2,7 @@
 """The end-to-end results (``checks/e2e/driver.py --json``) as Markdown tables.
 
 Pure: reads the JSON, imports nothing of vLLM. ``tools/main.sh`` prints it;
-``tools/cover_letters.py`` renders it into the project's pages.
+``forktools/docs_tables.py`` renders it into the project's pages.
 
     python -m checks.e2e.report build/bench/e2e.json
 """
@@ -16,19 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-
-def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+from forktools.tables import markdown, num
 
 
 def pairing_rows(data: dict[str, Any]) -> list[str]:
@@ -43,11 +31,11 @@ def pairing_rows(data: dict[str, Any]) -> list[str]:
                 f"{pairing['prefill']} -> {pairing['decode']}",
                 f"{sum(p['equal'] for p in prompts)} / {len(prompts)}",
                 s["reads"],
-                f"{_num(s['descriptors_p50'])} / {_num(s['descriptors_max'])}",
-                _num(s["descriptors_total"]),
+                f"{num(s['descriptors_p50'])} / {num(s['descriptors_max'])}",
+                num(s["descriptors_total"]),
                 f"{s['bytes'] / 2**20:.2f}",
             ])  # fmt: skip
-    return _table(
+    return markdown(
         ["model", "P -> D", "tokens = oracle", "READs",
          "descriptors per READ p50 / max", "descriptors", "MiB read"],
         rows,
@@ -68,7 +56,7 @@ def model_rows(data: dict[str, Any]) -> list[str]:
             "tokens differ" if control["differs"] else "SAME TOKENS",
             f"{statistics.median(starts):.0f} / {max(starts):.0f}",
         ])  # fmt: skip
-    return _table(
+    return markdown(
         ["model", "backend", "oracle", "prefill vs decode path (nats)",
          "negative control", "engine start s (median / max)"],
         rows,
@@ -95,7 +83,7 @@ def fault_rows(data: dict[str, Any]) -> list[str]:
         [*key, by.get("fail", "-"), by.get("recompute", "-")]
         for key, by in cells.items()
     ]
-    return _table(
+    return markdown(
         ["model", "tree", "prefill engine", "policy fail", "policy recompute"], rows
     )
 
@@ -105,10 +93,10 @@ def notes(data: dict[str, Any]) -> list[str]:
     build = data.get("cpu_ext") or {}
     built = (
         f"vllm/{build.get('target')} was built in {build['seconds']:.0f} s "
-        "by tools/cpu_ext.py and is cached by its inputs (a second run reuses "
+        "by forktools/cpu_ext.py and is cached by its inputs (a second run reuses "
         "it)."
         if build.get("seconds")
-        else "vllm/_C came from tools/cpu_ext.py's cache."
+        else "vllm/_C came from forktools/cpu_ext.py's cache."
     )
     text = (
         "Real vLLM engines, one process each, on CPU (fp32, eager), NIXL over "

@@ -24,7 +24,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from forktools.paths import ROOT
+from forktools.tables import markdown, num
+
 RUN_JSON = ROOT / "build" / "served" / "served.json"
 DOCS = ROOT / "project-docs"
 PAGE = DOCS / "served.md"
@@ -79,18 +81,6 @@ def page_data(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
-
-
-def _num(x: float) -> str:
-    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.3f}"
-
-
 INTRO = """\
 # Served P/D (vllm serve, the toy proxy, HTTP)
 
@@ -118,19 +108,19 @@ last run's data (`project-docs/served.json`), not typed by hand.
 def render(data: dict[str, Any]) -> str:
     lines = [INTRO]
     lines += ["## Pairings", ""]
-    lines += _table(
+    lines += markdown(
         ["model", "P -> D", "oracle", "tokens = oracle", "P/D requests",
          "READs on D's /metrics", "descriptors on D's /metrics"],
         [[p["model"], p["pair"], p["oracle"], f"{p['equal']} / {p['requests']}",
-          p["requests"], _num(p["metrics_reads"]), _num(p["metrics_descriptors"])]
+          p["requests"], num(p["metrics_reads"], 3), num(p["metrics_descriptors"], 3)]
          for p in data["pairings"]],
     )  # fmt: skip
     lines += ["", "## Per READ", ""]
-    lines += _table(
+    lines += markdown(
         ["model", "P -> D", "prompt", "prompt tokens", "descriptors", "post ms",
          "transfer ms", "KiB"],
         [[r["model"], r["pair"], r["prompt"], r["prompt_tokens"], r["descriptors"],
-          _num(r["post_ms"]), _num(r["transfer_ms"]), _num(r["kib"])]
+          num(r["post_ms"], 3), num(r["transfer_ms"], 3), num(r["kib"], 3)]
          for r in data["reads"]],
     )  # fmt: skip
     lines += ["", "![descriptors and post time per READ](served.png)", ""]
@@ -143,11 +133,11 @@ def render(data: dict[str, Any]) -> str:
             if rows:
                 descs = [r["descriptors"] for r in rows]
                 posts = [r["post_ms"] for r in rows]
-                summary.append([model, pair, _num(statistics.median(descs)),
+                summary.append([model, pair, num(statistics.median(descs), 3),
                                 max(descs), sum(descs),
-                                _num(statistics.median(posts))])  # fmt: skip
+                                num(statistics.median(posts), 3)])  # fmt: skip
     lines += ["## Stock and series, same requests", ""]
-    lines += _table(
+    lines += markdown(
         ["model", "P -> D", "descriptors per READ p50", "max", "total", "post ms p50"],
         summary,
     )

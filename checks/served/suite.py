@@ -70,8 +70,8 @@ from typing import Any
 from checks.e2e.driver import other_prompt, prompts, wait_group_stopped
 from checks.e2e.models import DEEPSEEK_V2, LLAMA, LLAMA_HYBRID, TinyModel, make
 from checks.served import commands
+from forktools.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TREES = {
     "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
     "series": Path(os.environ.get("SERIES_TREE", ROOT / "build" / "vllm")),
@@ -890,7 +890,7 @@ def run_all() -> dict[str, Any]:
     begin = time.monotonic()
     for tree in TREES.values():
         if not list((tree / "vllm").glob("_C*.so")):
-            raise ServedError(f"{tree}: no vllm/_C*.so (tools/cpu_ext.py install)")
+            raise ServedError(f"{tree}: no vllm/_C*.so (forktools/cpu_ext.py install)")
     out: dict[str, Any] = {"models": [], "faults": [], "phases": {}}
     load_start = os.getloadavg()[0]
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A pytest plugin: a marker per test file, so suites share one pytest run.
 
-``tools/run_tests.py`` runs several suites in one pytest process (each run
+``forktools/run_tests.py`` runs several suites in one pytest process (each run
 pays ~20 s importing torch and vLLM through ``tests/conftest.py``), but
 upstream's NIXL connector files run with ``-m cpu_test`` and the series' files
 without it. ``RUN_TESTS_FILE_MARKERS`` is a JSON object mapping test files,

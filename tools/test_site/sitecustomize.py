@@ -10,7 +10,7 @@ nixl's python API (``nixl_agent``, 1.5.0) creates every agent with
 ``pthrDelay = 0``: its UCX progress thread polls without pause, and an idle
 agent takes a whole core (1 agent: 5.0 s of CPU per 5 s; 4 agents: 10 s).
 On a 2-core CI machine the agents a test keeps alive starve the test itself.
-``tools/run_tests.py`` puts this directory on ``PYTHONPATH``, so every
+``forktools/run_tests.py`` puts this directory on ``PYTHONPATH``, so every
 Python process of a test run (pytest, its xdist workers, the stock oracle,
 the cross-tree children) loads this file at startup. When NIXL's bindings
 are imported, their agent config gets a floor of ``PTHR_DELAY_US`` on that
@@ -29,7 +29,7 @@ selects it on other architectures only (``uses_standalone_cpu_model_runner``);
 and its C++ ops come from a build-rig patch of ``tools/cpu_ext/``. The
 upstream unit suites run with ``FORK_CPU_RUNNER=release``: the raise alone
 is lifted and the configs validate as on an x86 host with triton-cpu
-(``tools/testrun/common.py``), since the standalone runner refuses some
+(``forktools/testrun/common.py``), since the standalone runner refuses some
 configurations (speculative decoding) that those fixtures build.
 """
 

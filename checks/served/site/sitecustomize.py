@@ -19,10 +19,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
-_TEST_SITE = Path(__file__).resolve().parents[3] / "tools" / "test_site"
+from forktools.paths import TEST_SITE
+
+_TEST_SITE = TEST_SITE
 exec(  # noqa: S102 - the project's own test site, run as its sitecustomize
     compile(
         (_TEST_SITE / "sitecustomize.py").read_text(encoding="utf-8"),

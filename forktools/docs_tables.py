@@ -1,0 +1,737 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pull-request descriptions ("cover letters") and the project's tables.
+
+Each patch may have a hand-written description in ``series/covers/<name>.md``
+laid out as upstream's ``.github/PULL_REQUEST_TEMPLATE.md`` (Overview, Claims,
+Validation, Details, checklist). A description quotes only what runs in a vLLM
+tree with the patch applied (a test's ``-s`` output, a snippet it shows);
+``<!-- lines -->`` becomes the patch's size. A project table directive in a
+description is refused (:class:`CoverError`), as ``fork.py export`` refuses a
+mention of ``tools/`` in anything it writes.
+
+Measured figures of the project's own pages are never typed: a line
+``<!-- table: NAME -->`` in README.md or ``project-docs/*.md`` is replaced by a
+table rendered from the JSON a benchmark or the test command wrote, followed
+by where it came from (file, command, time written).
+``python3 -m forktools.docs_tables main-job`` prints one table,
+``python3 -m forktools.docs_tables readme`` re-renders the pages' tables.
+Text lines are wrapped at ``WRAP`` columns; no table row is longer than
+``MAX_LINE`` (a long message is a footnote, not a cell). Stdlib only; imports
+``forktools.manifest`` and ``forktools.bench.report``, never ``forktools.fork``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forktools.manifest import VLLM_VERSION
+from forktools.paths import ROOT
+from forktools.tables import markdown, markdown_rows, num
+
+COVERS = ROOT / "series" / "covers"
+BENCH = ROOT / "build" / "bench"
+RESULTS = ROOT / "build" / "test-results"
+# ``<!-- table: NAME -->`` or ``<!-- table: NAME:ARG -->`` (e.g. the main job's
+# scenarios ``main-job:1,2``), and ``<!-- lines -->`` for the patch's size.
+DIRECTIVE = re.compile(
+    r"^<!-- table: (?P<name>[a-z0-9-]+)(:(?P<arg>[a-z0-9,-]+))? -->$"
+)
+LINES = "<!-- lines -->"
+# The pages whose tables ``readme`` fills: the landing page and the project's
+# own pages (not upstream's docs/: the series keeps upstream paths at the root).
+PROJECT_DOCS = ROOT / "project-docs"
+WRAP = 100  # text lines of rendered tables' notes
+MAX_LINE = 300  # no line of a page is longer, outside code blocks
+# A word that would start a Markdown block if a wrapped line began with it.
+BLOCK_START = re.compile(r"^([-+*>#|=]|\d+[.)]|```)")
+LIST_ITEM = re.compile(r"^([-*+] |\d+\. )")
+
+
+def pages() -> list[Path]:
+    """README.md, then project-docs/*.md."""
+    return [ROOT / "README.md", *sorted(PROJECT_DOCS.glob("*.md"))]
+
+
+def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
+    """Wrap text lines (not table rows, not code) at ``width``.
+
+    A list item's continuation lines are indented under its text; a line
+    never starts with a word that would open a Markdown block.
+    """
+    out: list[str] = []
+    fence = False
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith("```"):
+            fence = not fence
+        if fence or len(line) <= width or stripped.startswith(("|", "```")):
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(stripped)]
+        item = LIST_ITEM.match(stripped)
+        first = indent + (item.group(0) if item else "")
+        rest = " " * len(first)
+        current = first
+        for word in stripped[len(item.group(0)) if item else 0 :].split():
+            bare = current in (first, rest)
+            too_long = len(current) + 1 + len(word) > width
+            if not bare and too_long and not BLOCK_START.match(word):
+                out.append(current)
+                current = rest + word
+                continue
+            current += word if bare else " " + word
+        out.append(current)
+    return out
+
+
+def long_lines(text: str, limit: int = MAX_LINE) -> list[int]:
+    """Numbers of the lines longer than ``limit``, outside code blocks."""
+    found, fence = [], False
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and len(line) > limit:
+            found.append(n)
+    return found
+
+
+@dataclass(frozen=True)
+class Source:
+    """One table: the JSON it is rendered from and the command that writes it."""
+
+    path: Path
+    command: str
+    render: Callable[[Any, str | None], list[str]]
+
+
+def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
+    """``bench.zoo_regions --json``: regions P / D in stock and in the series."""
+
+    def side(run: dict[str, Any]) -> str:
+        text = f"{run['prefill_regions']} / {run['decode_regions']}"
+        if run["status"] != "ok":
+            return f"{text}, {run['status']}"
+        read_as = run["read_as"]
+        if read_as not in (None, run["decode_regions"]):
+            text += f" -> {read_as}"
+        if any(run.get("host_bytes_per_block", ())):
+            staged = " / ".join(f"{b:,}" for b in run["host_bytes_per_block"])
+            text += f" (host B/block {staged})"
+        return text
+
+    body = []
+    for row in rows:
+        label = f"{row['prefill']} -> {row['decode']}".replace(
+            "@permuted", " (pages permuted)"
+        )
+        if row.get("synthetic"):
+            label += " (SYNTHETIC)"
+        body.append((label, side(row["stock"]), side(row["series"])))
+    header = ("P -> D (78 layers)", "stock: regions P / D", "series: regions P / D")
+    return [
+        *markdown(header, body),
+        "",
+        "`-> N`: the decoder reads its regions as N (coalesced reads). `host "
+        "B/block`: host staging bytes per block, P / D (the distinct host "
+        "allocations behind the staging buffers; 0: the side does not stage), "
+        "at the zoo's page sizes. Each "
+        f"column runs in a process of its own tree (stock: v{VLLM_VERSION}).",
+    ]
+
+
+def render_tests(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/run_tests.py: build/test-results/summary.json."""
+    suites = data["suites"]
+    body = [
+        (s["name"], s["passed"], s["failed"], s["skipped"], s["note"] or "")
+        for s in suites
+    ]
+    total = [sum(s[k] for s in suites) for k in ("passed", "failed", "skipped")]
+    lines = markdown(("suite", "passed", "failed", "skipped", "note"), body)
+    lines.append(f"| **total** | {total[0]:,} | {total[1]:,} | {total[2]:,} | |")
+    return lines
+
+
+def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
+    """forktools/bench/nixl_main_job.py: the scenarios listed (``1,2``), or all."""
+    from forktools.bench import report
+
+    if data.get("schema") != report.SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+    if scenarios:
+        wanted = {f"({n})" for n in scenarios.split(",")}
+        keys = {s["key"] for s in data["scenarios"] if s["short"] in wanted}
+        data = dict(
+            data,
+            scenarios=[s for s in data["scenarios"] if s["key"] in keys],
+            rows=[r for r in data["rows"] if r["scenario"] in keys],
+            rolling_upgrade={},
+        )
+    return [data["setup"], "", data["rig"], "", data["verification"]["text"], "",
+            *report.render_tables(data)]  # fmt: skip
+
+
+def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/bench/nixl_main_job.py: per scenario, stock next to the series."""
+    from forktools.bench import report
+
+    if data.get("schema") != report.SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+    scenarios = {s["key"]: s for s in data["scenarios"]}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["scenario"], row["pairing"]), []).append(row)
+
+    def side(row: dict[str, Any]) -> list[str]:
+        layout = row["switches"]["layout"] or "-"
+        if row["status"] != "ok":
+            return [layout, report._regions(row), f"{row['status']} (see below)"]
+        descs = report._trio(row["descs_per_read"], keys=("p50", "p95"))
+        return [layout, report._regions(row), descs]
+
+    # A series row is the exported series unless its prefix holds a patch of
+    # the project stack (never exported): such a row says so.
+    from forktools import manifest
+
+    project = {p.name for p in manifest.load_manifest().patches if p.stack == "project"}
+    patches = {
+        v["key"]: {name.split(" ", 1)[1] for name in v["patches"]}
+        for v in data["series"]["variants"]
+    }
+    body, failed, project_rows = [], [], 0
+    for (key, pairing), rows in groups.items():
+        stock = next((r for r in rows if r["variant"] == "stock"), None)
+        series = rows[-1]
+        if stock is None or series is stock:
+            continue
+        s = scenarios[key]
+        model = f"{s['short']} {s['label']}"
+        if s["synthetic_layout"] and "SYNTHETIC" not in model:
+            model += " (SYNTHETIC)"
+        if patches.get(series["variant"], set()) & project:
+            model += " (PROJECT-ONLY patch)"
+            project_rows += 1
+        model += f", {pairing}" if pairing else ""
+        ratio = (series.get("vs_stock") or {}).get("descs_p50")
+        ratio_cell = report._ratio(ratio, 3) if series["status"] == "ok" else "-"
+        body.append((model, *side(stock), *side(series), ratio_cell))
+        failed += [r for r in (stock, series) if r["status"] != "ok"]
+    header = ("model (scenario)", "stock: layout", "stock: regions P / D",
+              "stock: descs/READ p50 / p95", "series: layout",
+              "series: regions P / D", "series: descs/READ p50 / p95",
+              "descs p50: series / stock")  # fmt: skip
+    notes = [
+        f"- {scenarios[r['scenario']]['short']} {r['label']}: {r['status']}: "
+        f"{r.get('error', '')}"
+        for r in failed
+    ]
+    parked = data.get("parked") or {}
+    if parked.get("count"):
+        names = ", ".join(p["name"] for p in parked["patches"])
+        notes.append(
+            f"- Parked: {parked['count']} rows of the main job need a patch the "
+            f"manifest parks ({names}); they are listed on the main job's page "
+            "and return with those patches."
+        )
+    built = "the series as built" if parked.get("count") else "the whole series"
+    return [
+        *markdown(header, body),
+        "",
+        *([*notes, ""] if notes else []),
+        f"Stock is vLLM {VLLM_VERSION}, series {built}, each in its own tree "
+        "and process with the layout it resolves; regions P / D: what each side "
+        "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
+        "NIXL telemetry descCount per request's READ, over the job's replayed "
+        "block lists (n/a: stock has no figure to compare with).",
+        "",
+        (
+            f"{project_rows} series rows need a PROJECT-ONLY patch (never "
+            "exported) and say so; every other series row is the exported series."
+            if project_rows
+            else "Every series row is the exported series: no PROJECT-ONLY patch "
+            "(never exported) is built."
+        )
+        + " Rows marked SYNTHETIC run a layout that no model's spec gives.",
+    ]
+
+
+def render_rolling_upgrade(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/bench/nixl_main_job.py: its rolling-upgrade pairs alone."""
+    from forktools.bench import report
+
+    lines = report.upgrade_lines(data, markdown_rows)
+    if not lines:
+        raise ValueError("the main job ran no rolling-upgrade pair")
+    return lines
+
+
+# Blocks one chunked prefill step allocates per request at most (the
+# allocator-step table).
+STEP_BLOCKS = 256
+
+
+def render_allocator(rows: list[dict[str, Any]], _: str | None) -> list[str]:
+    """forktools/bench/block_pool_alloc.py --json PATH: worst n > 1 cell per state."""
+    worst: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["n"] == 1 and r["state"] != "replay":
+            continue  # single-block calls never sort
+        best = worst.get(r["state"])
+        if best is None or r["ratio med"] > best["ratio med"]:
+            worst[r["state"]] = r
+    body = [
+        (r["state"], r["pool"], r["n"], f"{r['queue med us']:,.1f}",
+         f"{r['sorted med us']:,.1f}", f"{r['ratio med']:.2f}",
+         f"{r['ratio p99']:.2f}", f"{r['extra ns/block']:,.0f}",
+         r["runs queue"], r["runs sorted"])
+        for r in worst.values()
+    ]  # fmt: skip
+    header = ("pool state", "pool blocks", "blocks/call", "queue us (median)",
+              "sorted us (median)", "sorted / queue (median)", "(p99)",
+              "extra ns/block", "runs queue", "runs sorted")  # fmt: skip
+    return [
+        *markdown(header, body),
+        "",
+        "Per pool state, the multi-block cell with the highest median ratio "
+        "(single-block calls excluded: they never sort).",
+    ]
+
+
+def render_allocator_step(rows: list[dict[str, Any]], _: str | None) -> list[str]:
+    """forktools/bench/block_pool_alloc.py --json PATH: calls of <= 256 blocks."""
+    body = [
+        (r["state"], r["pool"], r["n"], f"{r['queue med us']:,.1f}",
+         f"{r['sorted med us']:,.1f}",
+         f"{r['sorted med us'] - r['queue med us']:,.1f}",
+         f"{r['sorted p99 us'] - r['queue p99 us']:,.1f}")
+        for r in rows
+        if isinstance(r["n"], int) and 1 < r["n"] <= STEP_BLOCKS
+    ]  # fmt: skip
+    if not body:
+        raise ValueError(f"no multi-block cell of <= {STEP_BLOCKS} blocks per call")
+    header = ("pool state", "pool blocks", "blocks/call", "queue us (median)",
+              "sorted us (median)", "extra us/call (median)",
+              "extra us/call (p99)")  # fmt: skip
+    return [
+        *markdown(header, body),
+        "",
+        f"Every measured cell of at most {STEP_BLOCKS} blocks per call (a chunked "
+        "prefill step allocates at most that many per request); extra: sorted "
+        "minus queue, in microseconds per call.",
+    ]
+
+
+def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
+    """Each cross-tree pair next to stock + stock of the same configurations."""
+    results = data["results"]
+
+    def cells(result: dict[str, Any]) -> list[str]:
+        if not result.get("accepted"):
+            return ["refused: " + str(result.get("error")), "-"]
+        layouts = " -> ".join(result["layouts"])
+        ok = (
+            "exact"
+            if result["wrong_pages"] == 0 and result["outside_clean"]
+            else (f"{result['wrong_pages']} wrong pages")
+        )
+        run = result.get("run_descriptors")
+        descs = num(result["descriptors"]) + (f" / {num(run)}" if run else "")
+        return [f"{layouts}, {ok}", descs]
+
+    rows = [
+        (
+            entry["pair"],
+            *cells(results[entry["pair"]]),
+            *cells(results[entry["oracle"]]),
+        )
+        for entry in data["pairs"]
+    ]
+    return markdown(
+        (
+            "P -> D (tree+model+settings)",
+            "layouts resolved, bytes",
+            "descs",
+            "stock + stock: layouts, bytes",
+            "descs",
+        ),
+        rows,
+    ) + [
+        "",
+        "descs: NIXL telemetry descCount of the READ of 4 scattered blocks per "
+        "group / of one 8-block run per group, consecutive on both sides.",
+    ]
+
+
+def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/bench/posting_cost.py --json: the worker's CPU per READ."""
+    labels = list(data["trees"])
+    head = ["layout", "blocks", "regions"] + [
+        f"{label}: {col}"
+        for label in labels
+        for col in ("post CPU ms", "bare CPU ms", "vLLM CPU ms")
+    ]
+    rows = []
+    for per in data["rows"].values():
+        first = per[labels[0]]
+        cells = [first["layout"], f"{first['blocks']:,}", first["regions"]]
+        for label in labels:
+            r = per[label]
+            cells += [
+                f"{r['post_cpu_ms']:.3f}",
+                f"{r['bare_cpu_ms']:.3f}",
+                f"{r['vllm_cpu_ms']:.3f}",
+            ]
+        rows.append(tuple(cells))
+    trees = ", ".join(f"{label} = {path}" for label, path in data["trees"].items())
+    return markdown(tuple(head), rows) + [
+        "",
+        f"Trees: {trees}. Per READ, the calling thread's CPU time in "
+        "_read_blocks_for_req (post) and in a bare make_prepped_xfer + "
+        "transfer of the same ids on the same agent (bare; on host DRAM UCX "
+        "moves the bytes in the posting thread, so bare holds the copy); "
+        "vLLM = post - bare. Median over "
+        f"{data['rounds']} rounds (trees alternating, one process each) of "
+        f"the median of {data['reads']} READs. Real NIXL over UCX on host DRAM; "
+        f"SYNTHETIC: {data['synthetic']}.",
+    ]
+
+
+def render_e2e(data: dict[str, Any], part: str | None) -> list[str]:
+    """checks/e2e/driver.py --json: real engines, stock and the series.
+
+    ``e2e:pairings``: the pairings table and its note only.
+    """
+    from checks.e2e import report as e2e_report
+
+    if part == "pairings":
+        return e2e_report.pairing_rows(data) + [""] + e2e_report.notes(data)
+    return e2e_report.render(data)
+
+
+def render_run_costs(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/run_costs.py: each command's last run, with the main job's beside it.
+
+    The main job's JSON (``main.json``) sits beside the test command's.
+    """
+    runs = [data]
+    main_json = ROOT / "build" / "costs" / "main.json"
+    if main_json.exists():
+        runs.append(json.loads(main_json.read_text(encoding="utf-8")))
+
+    def minutes(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB"
+
+    body = []
+    for run in runs:
+        phases = run["phases"]
+        work = phases.get("tests", phases.get("job"))
+        body.append((
+            f"`{run['command']}`",
+            "yes" if run["fresh"] else "no",
+            minutes(phases.get("setup")),
+            minutes(phases.get("build")),
+            minutes(run["cpu_ext_seconds"]),
+            minutes(work),
+            minutes(phases.get("engines")),
+            f"**{minutes(run['seconds'])}**",
+            f"{gib(run['memory_peak'])} ({gib(run['memory_start'])} at the start)",
+            f"{gib(run['disk']['checkout'])} + {gib(run['disk']['caches'])}",
+            run["finished"].replace("T", " ").replace(":00Z", "").rstrip("Z"),
+        ))  # fmt: skip
+    header = ("command", "fresh clone", "set-up", "fork build", "CPU extension",
+              "tests / job", "engines", "total", "peak memory", "disk",
+              "finished")  # fmt: skip
+    return [
+        *markdown(header, body),
+        "",
+        "A fresh clone's run finds no `.venv` and no `build/vllm`: it sets up "
+        "the environment, fetches and verifies the sdist and builds the CPU "
+        "extension (inside tests / engines); later runs reuse them. Memory: "
+        "the machine's `MemTotal - MemAvailable`, peak over the run, sampled "
+        "every 5 s. Disk: the checkout (`.venv` and `build/` included) + the "
+        "uv and npm download caches outside it. Machine: "
+        f"{runs[0]['cpus']} CPUs, {gib(runs[0]['memory_total'])}, no GPU.",
+    ]
+
+
+def outcome_codes(texts: Sequence[str]) -> dict[str, str]:
+    """A short code per distinct outcome, by kind: R read, F failed (reported),
+    H refused at the handshake, X raised out of the read path; numbered."""
+    kinds = (("read", "R"), ("failed", "F"), ("refused", "H"), ("RAISES", "X"))
+    codes: dict[str, str] = {}
+    for text in texts:
+        if text not in codes:
+            kind = next((k for word, k in kinds if text.startswith(word)), "?")
+            number = sum(code[0] == kind for code in codes.values()) + 1
+            codes[text] = f"{kind}{number}"
+    return codes
+
+
+def render_faults(data: dict[str, Any], _: str | None) -> list[str]:
+    """forktools/bench/fault_lines.py --json: every fault case's outcome per tree.
+
+    A cell is a short code; the codes' outcomes follow the table (the JSON
+    keeps every outcome in full).
+    """
+    labels = list(data["trees"])
+    codes = outcome_codes([row[label] for row in data["rows"] for label in labels])
+    rows = [
+        (row["case"], *(codes[row[label]] for label in labels)) for row in data["rows"]
+    ]
+    legend = sorted(codes.items(), key=lambda item: (item[1][0], int(item[1][1:])))
+    return markdown(("P -> D: fault", *labels), rows) + [
+        "",
+        *(f"- `{code}`: {text}" for text, code in legend),
+        "",
+        "Outcome of each case (checks/faults.py, real NIXL over UCX on host "
+        "DRAM, planner-built layouts): what the decoder did (read exactly; "
+        "failed, reporting its blocks or the request; refused the peer at the "
+        "handshake; or raised out of the read path), whether any byte outside "
+        "the request changed, and what vLLM's scheduler then did under "
+        'kv_load_failure_policy "fail" / "recompute".',
+    ]
+
+
+SOURCES: dict[str, Source] = {
+    "cross-tree": Source(
+        ROOT / "build" / "checks" / "cross_tree.json",
+        "bash tools/test.sh",
+        render_cross_tree,
+    ),
+    "zoo-regions": Source(
+        BENCH / "zoo_regions.json", "bash tools/main.sh", render_zoo_regions
+    ),
+    "main-job": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_main_job
+    ),
+    "headline": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_headline
+    ),
+    "rolling-upgrade": Source(
+        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_rolling_upgrade
+    ),
+    "allocator": Source(
+        BENCH / "block_pool_alloc.json",
+        "bash tools/bench_block_pool.sh",
+        render_allocator,
+    ),
+    "allocator-step": Source(
+        BENCH / "block_pool_alloc.json",
+        "bash tools/bench_block_pool.sh",
+        render_allocator_step,
+    ),
+    "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
+    "faults": Source(BENCH / "faults.json", "bash tools/main.sh", render_faults),
+    "run-costs": Source(
+        ROOT / "build" / "costs" / "test.json", "bash tools/test.sh", render_run_costs
+    ),
+    # The test command's e2e suite (a fresh clone's run includes the build of
+    # the CPU extension); bash tools/main.sh prints the same tables.
+    "e2e": Source(
+        ROOT / "build" / "e2e" / "e2e.json", "bash tools/test.sh", render_e2e
+    ),  # fmt: skip
+    "posting-cost": Source(
+        BENCH / "posting_cost.json",
+        ".venv/bin/python -m forktools.bench.posting_cost "
+        "--tree before=build/prefixes/0003-nixl-ordered-transfers "
+        "--tree after=build/prefixes/0004-nixl-posting-cost "
+        "--json build/bench/posting_cost.json",
+        render_posting_cost,
+    ),
+}
+
+
+def render_patch_sizes() -> list[str]:
+    """Every patch's lines per kind, counted from the repository as it is."""
+    from forktools import manifest
+
+    body = []
+    for index, patch in enumerate(manifest.load_manifest().patches, start=1):
+        counts = manifest.patch_lines(patch)
+        cells = [f"+{a}/-{r}" if a or r else "-" for a, r in counts.values()]
+        body.append((f"{index:04d}", patch.stack, patch.name, *cells))
+    return [
+        *markdown(("#", "stack", "patch", *manifest.KINDS), body),
+        "",
+        "_Counted by `python3 -m forktools.fork summary` (new files and hunks)._",
+    ]
+
+
+def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | None]:
+    """Lines replacing one directive, and the command to run if it is missing."""
+    if name == "patch-sizes":
+        return render_patch_sizes(), None
+    source = SOURCES.get(name)
+    if source is None:
+        raise ValueError(f"unknown table {name!r}; known: {sorted(SOURCES)}")
+    rel = source.path.relative_to(ROOT)
+    if not source.path.exists():
+        return [f"_Not measured yet: run `{source.command}` (writes `{rel}`)._"], (
+            source.command
+        )
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(source.path.stat().st_mtime))
+    try:
+        data = json.loads(source.path.read_text(encoding="utf-8"))
+        lines = source.render(data, arg)
+    except (ValueError, KeyError, TypeError) as exc:  # an older run's format
+        return [
+            f"_`{rel}` (written {when}) is not in the format this table reads "
+            f"({type(exc).__name__}: {exc}): rerun `{source.command}`._"
+        ], source.command
+    lines += ["", f"_From `{rel}`, written by `{source.command}` at {when}._"]
+    return wrap_markdown(lines), None
+
+
+def render_lines(name: str) -> list[str]:
+    """The patch's added/removed lines per kind of file."""
+    from forktools import manifest
+
+    (patch,) = [p for p in manifest.load_manifest().patches if p.name == name]
+    counts = manifest.patch_lines(patch)
+    return [
+        "Size (new files and hunks): "
+        + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
+        + "."
+    ]
+
+
+class CoverError(ValueError):
+    """A PR description that would cite what a vLLM tree cannot run."""
+
+
+def render_cover(text: str, name: str | None = None) -> str:
+    """Fill a cover template's ``<!-- lines -->``.
+
+    A PR description quotes only what runs in a vLLM tree with the patch
+    applied (a test's ``-s`` output, a snippet it shows), so a project
+    table directive in a cover is refused (``fork.py export`` refuses any
+    mention of the project's ``tools/`` in what it writes).
+
+    Raises:
+        CoverError: The template has a table directive.
+    """
+    out: list[str] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip() == LINES and name is not None:
+            out += render_lines(name)
+            continue
+        if DIRECTIVE.match(line.strip()):
+            raise CoverError(
+                f"cover {name}: line {n}: {line.strip()}: a PR description "
+                "quotes a test or snippet that runs in a vLLM tree, not a "
+                "table of this project"
+            )
+        out.append(line)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_cover_letters(
+    patches: Sequence[tuple[str, str, Path]], out_dir: Path
+) -> list[Path]:
+    """Write one cover letter per patch that has a template.
+
+    Args:
+        patches: ``(name, subject, exported .patch file)`` in series order.
+        out_dir: Directory for the ``*.md`` files (created).
+
+    Returns:
+        The files written.
+
+    Raises:
+        CoverError: A template has a project table directive.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.md"):
+        old.unlink()
+    written: list[Path] = []
+    for name, subject, patch_file in patches:
+        template = COVERS / f"{name}.md"
+        if not template.exists():
+            continue
+        body = render_cover(template.read_text(encoding="utf-8"), name)
+        head = f"# {subject}\n\nPatch: `{patch_file.name}`\n\n"
+        dest = out_dir / f"{patch_file.stem}.md"
+        dest.write_text(head + body, encoding="utf-8")
+        written.append(dest)
+    return written
+
+
+END_TABLE = "<!-- end table -->"
+
+
+def fill_pages(only: Sequence[str] | None = None) -> list[str]:
+    """Re-render the table blocks of every page (``pages()``) in place.
+
+    Returns the commands of missing sources, and says which lines are longer
+    than ``MAX_LINE``.
+    """
+    missing: list[str] = []
+    for path in pages():
+        missing += [c for c in fill_readme(path, only) if c not in missing]
+        for n in long_lines(path.read_text(encoding="utf-8")):
+            print(f"cover_letters: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
+    return missing
+
+
+def fill_readme(
+    path: Path = ROOT / "README.md", only: Sequence[str] | None = None
+) -> list[str]:
+    """Re-render the table blocks of one page in place (all, or ``only``).
+
+    A block starts with a table directive and ends with ``<!-- end table -->``;
+    what lies between is replaced. Returns the commands of missing sources.
+    """
+    out: list[str] = []
+    missing: list[str] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = DIRECTIVE.match(lines[i].strip())
+        i += 1
+        if m is None or (only and m.group("name") not in only):
+            continue
+        end = lines.index(END_TABLE, i)
+        rendered, command = render_table(m.group("name"), m.group("arg"))
+        out += ["", *rendered, "", END_TABLE]
+        if command and command not in missing:
+            missing.append(command)
+        i = end + 1
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return missing
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cover_letters.py TABLE[:ARG]...`` prints tables as the cover letters
+    have them; ``cover_letters.py readme [TABLE...]`` re-renders the tables of
+    README.md and project-docs/*.md (all, or the named ones)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("tables", nargs="+", help=f"readme, or {sorted(SOURCES)}")
+    args = parser.parse_args(argv)
+    if args.tables[0] == "readme":
+        missing = fill_pages(only=args.tables[1:] or None)
+        for command in missing:
+            print(f"cover_letters: missing: run `{command}`")
+        return 1 if missing else 0
+    for table in args.tables:
+        name, _, arg = table.partition(":")
+        lines, missing_command = render_table(name, arg or None)
+        print("\n".join(lines) + "\n")
+        if missing_command:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

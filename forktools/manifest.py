@@ -1,0 +1,282 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The series manifest (``series/manifest.toml``): parse, write, count lines.
+
+``forktools/fork.py`` (build, save, export, summary), ``forktools/docs_tables.py``
+(patch sizes), ``forktools/run_tests.py`` and the main job
+(``forktools/bench/nixl_main_job.py``: row labels) read the series through this
+module, which imports nothing of theirs. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forktools.paths import ROOT
+
+MANIFEST = ROOT / "series" / "manifest.toml"
+# The release the series is built on, and every hook point of a release change.
+RELEASE_FILE = ROOT / "series" / "release.toml"
+RELEASE = tomllib.loads(RELEASE_FILE.read_text(encoding="utf-8"))
+VLLM_VERSION: str = RELEASE["version"]
+BASE_TAG = f"v{VLLM_VERSION}"
+
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+# The series' stacks, in order: each a contiguous run of patches. The first
+# two are exported (``fork.py export``: one directory each); ``project``
+# patches are applied by ``fork.py build`` only.
+STACKS = {
+    "fixes": "stack 1: fixes and small wins, each mergeable on its own",
+    "layout": "stack 2: KV layout as a local choice (RFC)",
+    "project": "project only: in the fork build, never exported",
+}
+EXPORTED_STACKS = ("fixes", "layout")
+
+MANIFEST_HEADER = """\
+# vLLM NIXL patch series on top of the vLLM {version} release sdist.
+#
+# One [[patch]] table per commit, in order. Keys:
+#   name     slug, unique; names the diff file series/diffs/NNNN-<name>.diff
+#   subject  one-line upstream-style commit title
+#   body     commit message body (why the change is needed)
+#   files    new files the patch adds, kept at their upstream path in the repo
+#   diff     optional unified git diff against upstream files
+#   stack    fixes | layout | project: which exported stack the patch is in
+#            (project: applied by the fork build, never exported)
+#   parked   optional reason: the patch is kept but neither built nor exported
+#            (its diff is against an earlier release until it is ported)
+# No identity here: `export` signs off as `git config user.name/user.email`.
+# `python3 -m forktools.fork save` rewrites this file from build/vllm.
+
+"""
+
+
+class ForkError(Exception):
+    """A failure reported to the user as one line, exit status 1."""
+
+
+@dataclass
+class Patch:
+    """One [[patch]] table of the manifest."""
+
+    name: str
+    subject: str = ""
+    body: str = ""
+    files: list[str] = field(default_factory=list)
+    diff: str | None = None
+    stack: str = "fixes"
+    parked: str = ""
+
+
+@dataclass
+class Manifest:
+    """The parsed series/manifest.toml.
+
+    ``patches`` are the ones ``fork.py build`` applies, in order; ``parked``
+    ones are kept in the manifest (and their files in the repository) but
+    neither built nor exported, each with the reason.
+    """
+
+    patches: list[Patch]
+    parked: list[Patch] = field(default_factory=list)
+
+    @property
+    def exported(self) -> list[Patch]:
+        """The patches ``fork.py export`` writes, in order."""
+        return [p for p in self.patches if p.stack in EXPORTED_STACKS]
+
+
+def _check_relpath(where: str, path: str) -> None:
+    parts = Path(path).parts
+    if not path or Path(path).is_absolute() or ".." in parts or "\\" in path:
+        raise ForkError(f"{where}: bad repo-relative path {path!r}")
+
+
+# Upstream PR titles (and the commits' subject lines) keep to 72 characters.
+MAX_SUBJECT = 72
+
+
+def load_manifest(require_subject: bool = True) -> Manifest:
+    """Parse and validate the manifest."""
+    rel = MANIFEST.relative_to(ROOT)
+    try:
+        data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ForkError(f"{rel} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ForkError(f"{rel}: invalid TOML: {exc}") from None
+    if "signed_off_by" in data:
+        raise ForkError(
+            f"{rel}: remove signed_off_by; patches are signed off by whoever "
+            "exports them (git config user.name/user.email)"
+        )
+    unknown = set(data) - {"patch"}
+    if unknown:
+        raise ForkError(f"{rel}: unknown top-level keys {sorted(unknown)}")
+    raw = data.get("patch", [])
+    if not isinstance(raw, list):
+        raise ForkError(f"{rel}: 'patch' must be an array of tables")
+    patches: list[Patch] = []
+    parked: list[Patch] = []
+    seen: set[str] = set()
+    for i, table in enumerate(raw, start=1):
+        where = f"{rel}: patch {i}"
+        if not isinstance(table, dict):
+            raise ForkError(f"{where}: not a table")
+        unknown = set(table) - {
+            "name", "subject", "body", "files", "diff", "stack", "parked"
+        }  # fmt: skip
+        if unknown:
+            raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
+        name = table.get("name")
+        if not isinstance(name, str) or not SLUG_RE.match(name):
+            raise ForkError(f"{where}: 'name' must be a slug like 'coalesce-regions'")
+        if name in seen:
+            raise ForkError(f"{where}: duplicate name {name!r}")
+        seen.add(name)
+        subject = table.get("subject", "")
+        body = table.get("body", "")
+        files = table.get("files", [])
+        diff = table.get("diff")
+        if not isinstance(subject, str) or "\n" in subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' must be one line")
+        if require_subject and not subject.strip():
+            raise ForkError(f"{where} ({name}): 'subject' is missing")
+        if len(subject.strip()) > MAX_SUBJECT:
+            raise ForkError(
+                f"{where} ({name}): 'subject' has {len(subject.strip())} "
+                f"characters; upstream titles keep to {MAX_SUBJECT}"
+            )
+        if not isinstance(body, str):
+            raise ForkError(f"{where} ({name}): 'body' must be a string")
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ForkError(f"{where} ({name}): 'files' must be a list of paths")
+        for f in files:
+            _check_relpath(f"{where} ({name})", f)
+        if diff is not None:
+            if not isinstance(diff, str):
+                raise ForkError(f"{where} ({name}): 'diff' must be a path")
+            _check_relpath(f"{where} ({name})", diff)
+        stack = table.get("stack", "fixes")
+        if stack not in STACKS:
+            raise ForkError(f"{where} ({name}): 'stack' must be one of {list(STACKS)}")
+        parked_reason = table.get("parked", "")
+        if not isinstance(parked_reason, str):
+            raise ForkError(f"{where} ({name}): 'parked' must be a reason string")
+        patch = Patch(
+            name, subject.strip(), body.strip("\n"), list(files), diff, stack,
+            parked_reason.strip(),
+        )  # fmt: skip
+        if patch.parked:
+            parked.append(patch)
+            continue
+        if patches and list(STACKS).index(stack) < list(STACKS).index(
+            patches[-1].stack
+        ):
+            raise ForkError(
+                f"{where} ({name}): stack {stack!r} after {patches[-1].stack!r}; "
+                f"stacks run in the order {list(STACKS)}"
+            )
+        patches.append(patch)
+    return Manifest(patches, parked)
+
+
+def _toml_str(value: str) -> str:
+    # A JSON string literal is a valid TOML basic string.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _toml_body(value: str) -> str:
+    literal_ok = "'''" not in value and not any(
+        ord(c) < 32 and c not in "\t\n" for c in value
+    )
+    if not value:
+        return '""'
+    if literal_ok and "\n" in value:
+        return f"'''\n{value}\n'''"
+    return _toml_str(value)
+
+
+def dump_manifest(manifest: Manifest) -> str:
+    """Serialize the manifest as TOML (round-trips through load_manifest)."""
+    out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
+    for p in [*manifest.patches, *manifest.parked]:
+        out.append("\n[[patch]]\n")
+        out.append(f"name = {_toml_str(p.name)}\n")
+        out.append(f"subject = {_toml_str(p.subject)}\n")
+        out.append(f"body = {_toml_body(p.body)}\n")
+        if p.files:
+            items = "".join(f"    {_toml_str(f)},\n" for f in p.files)
+            out.append(f"files = [\n{items}]\n")
+        else:
+            out.append("files = []\n")
+        if p.diff:
+            out.append(f"diff = {_toml_str(p.diff)}\n")
+        out.append(f"stack = {_toml_str(p.stack)}\n")
+        if p.parked:
+            out.append(f"parked = {_toml_str(p.parked)}\n")
+    return "".join(out)
+
+
+def _kind(path: str) -> str:
+    """What a file of the series is, for the summary's line counts."""
+    if path.startswith("tests/"):
+        return "tests"
+    if path.startswith("docs/") or path.endswith(".md"):
+        return "docs"
+    if path.startswith((".buildkite/", "docker/")):
+        return "ci"
+    return "code"
+
+
+KINDS = ("code", "docs", "tests", "ci")
+
+
+def _diff_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per file of the patch's diff (``nonblank``:
+    lines with more than whitespace only)."""
+    counts: dict[str, tuple[int, int]] = {}
+    if not (patch.diff and (ROOT / patch.diff).is_file()):
+        return counts
+    path = ""
+    for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[1]
+            counts.setdefault(path, (0, 0))
+        elif nonblank and not line[1:].strip():
+            continue
+        elif line.startswith("+") and not line.startswith("+++ "):
+            counts[path] = (counts[path][0] + 1, counts[path][1])
+        elif line.startswith("-") and not line.startswith("--- "):
+            counts[path] = (counts[path][0], counts[path][1] + 1)
+    return counts
+
+
+def patch_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
+    """(added, removed) lines per kind: its new files and its diff
+    (``nonblank``: lines with more than whitespace only).
+
+    A new file's root copy is its final version: the lines later patches'
+    diffs add to it (net) are theirs, not the adding patch's.
+    """
+    counts = dict.fromkeys(KINDS, (0, 0))
+
+    def add(path: str, plus: int, minus: int) -> None:
+        old = counts[_kind(path)]
+        counts[_kind(path)] = (old[0] + plus, old[1] + minus)
+
+    patches = load_manifest(require_subject=False).patches
+    later = patches[[p.name for p in patches].index(patch.name) + 1 :]
+    later_diffs = [_diff_lines(p, nonblank) for p in later]
+    for path in patch.files:
+        text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip() or not nonblank]
+        grown = sum(d[path][0] - d[path][1] for d in later_diffs if path in d)
+        add(path, len(lines) - grown, 0)
+    for path, (plus, minus) in _diff_lines(patch, nonblank).items():
+        add(path, plus, minus)
+    return counts
