@@ -140,13 +140,6 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "host, cache.storage_offset(), cache.shape, cache.stride()",
         "host, 0, cache.shape, cache.stride()",
     ),
-    (
-        "nixl-coalesced-reads",
-        "v1/kv_connector/unit/test_nixl_coalesced_reads.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py",
-        "if plan.changes_reads:",
-        "if False:",
-    ),
     # GQA rows of the preference registered per layer page, as user-set ones.
     (
         "nixl-gqa-block-outermost-rows",
@@ -174,13 +167,6 @@ MUTATIONS: list[tuple[str, str, str, str, str]] = [
         "get_kv_connector_preferred_cache_layout(vllm_config)) and "
         "not get_kv_connector_cache_layout(vllm_config) and (",
     ),
-    (
-        "nixl-coalesced-reads",
-        "v1/kv_connector/unit/test_nixl_region_coalescing.py",
-        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/region_coalescing.py",
-        "elif last.remote_base + last.length != r.remote_base:",
-        "elif False:",
-    ),
 ]
 
 
@@ -204,7 +190,6 @@ SERVED_CATCHES = "test_completions_equal_oracle["
 # here.
 GPU_ONLY = frozenset(
     {
-        "v1/kv_connector/unit/test_nixl_gpu_coalesced.py",
         "v1/kv_connector/nixl_integration/test_nixl_gpu_pd.py",
     }
 )

@@ -29,13 +29,10 @@ from forktools.testrun.common import (
 from forktools.testrun.pytest_runs import junit_cases, run_pytest
 from forktools.testrun.suites import Suite
 
-# The patches that introduced a read path the fault cases take (coalesced
-# reads: HiSparse; page reads: an LBNHC prefiller into rows): the fault cases
-# also run on their prefixes of the series.
-FAULT_PREFIXES = (
-    "nixl-coalesced-reads",
-    "nixl-row-page-reads",
-)
+# The patches that introduced a read path the fault cases take (page reads:
+# an LBNHC prefiller into rows): the fault cases also run on their prefixes
+# of the series.
+FAULT_PREFIXES = ("nixl-row-page-reads",)
 FAULT_PREFIX_DIR = ROOT / "build" / "fault-prefixes"
 
 
