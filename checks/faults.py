@@ -2,29 +2,12 @@
 """Faults and bad peer input on the NIXL read path, runnable on any tree.
 
 Every case builds a prefill and a decode pull worker over ``layout_zoo``
-layouts (vLLM's own planner and allocator) with real NIXL agents on host
-DRAM, hands P's advertised metadata to D as the handshake does (tampered
-with for the metadata cases), and submits one request the way
-``start_load_kv`` does (``_recving_metadata``, then ``_read_blocks_for_req``).
-A fault is injected deterministically at the NIXL boundary of the decoder
-(a post that raises, a transfer whose state is ``"ERR"``, the prefiller's
-KV memory deregistered before the post), or in the peer's
-input (remote block ids out of the peer's range, a list per transfer group
-missing, an empty remote list against a non-empty local one; handshake
-metadata that does not match what the peer registered). The decoder is then
-polled as the engine polls it (``get_transfer_results``,
-``get_block_ids_with_load_errors``) until it reports the request.
-
-The outcome of a case is what the scheduler would see and what the decoder
-holds: whether the handshake or the submission raised (an exception outside
-the transfer-failure path takes the engine down), how many READs were posted,
-whether the request came back in ``failed_recving``, the invalid block ids,
-and whether any decoder byte outside the request's blocks changed; then
-what vLLM's own scheduler does with that report under each
-``kv_load_failure_policy`` (``scheduler_outcome``; for ``abort-in-flight``
-the scheduler aborts the request while its READ is in flight). The same
-code runs against stock 0.34.0 (``--json``) and the fork
-(``checks/test_faults.py``).
+layouts with real NIXL agents on host DRAM, hands P's handshake metadata to
+D, submits one request as ``start_load_kv`` does, injects one of ``FAULTS``,
+and polls the decoder as the engine does until it reports the request. The
+outcome is what the scheduler would see (and does, ``scheduler_outcome``)
+and what the decoder holds. The same code runs against stock 0.34.0
+(``--json``) and the fork (``checks/test_faults.py``).
 
     PYTHONPATH=build/stock:. python -m checks.faults --json stock_faults.json
 """
@@ -39,19 +22,21 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
-from checks.pairing_matrix import _request, _truth
-from forktools.harness.layout_zoo import build_zoo_layout, make_zoo_worker
+from checks.truth import make_worker, request_ids, truth
+from forktools.harness.layout_zoo import build_zoo_layout
 from forktools.harness.real_nixl import (
     connect,
+    fill_pattern,
     probe_real_nixl,
     request_meta,
     stage_request,
+    zero,
 )
 
 NUM_BLOCKS = 32
@@ -59,8 +44,8 @@ NUM_BLOCKS = 32
 # (prefill, decode) layouts: one transfer group (a whole BLHNC row; LBNHC
 # layer slabs; host staging, which the fork mirrors), several transfer groups
 # sharing the rows (MLA + sliding-window MLA), and the fork's own read paths:
-# page reads (an LBNHC prefiller into BLHNC rows) and coalesced reads (a
-# HiSparse decoder, whose groups are not unique block ids either).
+# page reads (an LBNHC prefiller into BLHNC rows) and a HiSparse decoder,
+# whose groups are not unique block ids either.
 LAYOUTS = [
     ("glm53-mtp/BLHNC", "glm53-mtp/BLHNC"),
     ("dsv32/LBNHC", "dsv32/LBNHC"),
@@ -70,23 +55,101 @@ LAYOUTS = [
     ("glm53/BLHNC", "hisparse-glm53/BLHNC"),
 ]
 
-# Faults: at the NIXL boundary of the decoder, in the request's remote block
-# ids, or in the handshake metadata.
+Ids = list[list[int]]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: how it is injected, and what the fork must then do.
+
+    Attributes:
+        nixl: Makes calls of the decoder's NIXL wrapper fail.
+        meta: Edits P's handshake metadata to disagree with what P registered.
+        remote: The remote block ids the peer sends (from the right ones and
+            its block count): bad input, to refuse before NIXL sees it.
+        before_read: Done to the prefiller just before the READ is posted.
+        abort: The scheduler aborts the request while its READ is in flight.
+        needs: The patches the fork needs to pass the case.
+    """
+
+    name: str
+    nixl: Callable[[Any], None] | None = None
+    meta: Callable[[Any], None] | None = None
+    remote: Callable[[Ids, int], Ids] | None = None
+    before_read: Callable[[Any], None] | None = None
+    abort: bool = False
+    needs: tuple[str, ...] = ()
+
+    @property
+    def bad_input(self) -> bool:
+        return self.remote is not None
+
+    @property
+    def loaded(self) -> str:
+        """The scheduler's outcome, under every policy, of a load that worked."""
+        return "held, then freed" if self.abort else "loaded"
+
+
+def _raises(method: str) -> Callable[[Any], None]:
+    """Replace the NIXL wrapper's ``method`` with one that raises."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected: {method} failed")
+
+    return lambda nixl: setattr(nixl, method, call)
+
+
+def _state_err(nixl: Any) -> None:
+    """Let the READ land, then report it failed, as a NIXL backend does for a
+    transfer it could not complete."""
+    state = nixl.check_xfer_state
+
+    def check_xfer_state(handle: Any) -> str:
+        result = state(handle)
+        if result not in ("PROC", "DONE"):
+            return result
+        while result == "PROC":
+            result = state(handle)
+        return "ERR"
+
+    nixl.check_xfer_state = check_xfer_state
+
+
+def _fewer_regions(meta: Any) -> None:
+    meta.kv_caches_base_addr = meta.kv_caches_base_addr[:-1] or [0]
+    meta.block_lens = meta.block_lens[: len(meta.kv_caches_base_addr)]
+
+
+# Bad remote block ids are refused before NIXL sees them (nothing posted, the
+# read path raising nothing) by the patch that checks them: on 0.34.0 without
+# it, out-of-range ids reach NIXL, and a missing group list (IndexError) or
+# an empty one (AssertionError, ValueError on a HiSparse decoder) raise out
+# of the read path.
+IDS = ("nixl-remote-block-id-checks",)
+
 FAULTS = [
-    "none",
-    "post-raises",
-    "transfer-raises",
-    "state-err",
-    "remote-out-of-range",
-    "remote-group-missing",
-    "remote-empty",
-    "meta-regions",
-    "meta-block-len",
-    "meta-num-blocks",
-    "peer-deregistered",
-    "abort-in-flight",
+    Fault("none"),
+    Fault("post-raises", nixl=_raises("make_prepped_xfer")),
+    Fault("transfer-raises", nixl=_raises("transfer")),
+    Fault("state-err", nixl=_state_err),
+    Fault(
+        "remote-out-of-range",
+        remote=lambda ids, blocks: [[b + blocks for b in group] for group in ids],
+        needs=IDS,
+    ),
+    Fault("remote-group-missing", remote=lambda ids, _: ids[:-1], needs=IDS),
+    Fault("remote-empty", remote=lambda ids, _: [[] for _ in ids], needs=IDS),
+    Fault("meta-regions", meta=_fewer_regions),
+    Fault(
+        "meta-block-len",
+        meta=lambda m: setattr(m, "block_lens", [n * 2 for n in m.block_lens]),
+    ),
+    Fault("meta-num-blocks", meta=lambda m: setattr(m, "num_blocks", m.num_blocks * 4)),
+    # The prefiller goes away before the READ is posted: its KV memory is
+    # deregistered from its agent (as on sleep).
+    Fault("peer-deregistered", before_read=lambda p: p.unregister_kv_caches()),
+    Fault("abort-in-flight", abort=True),
 ]
-INPUT_FAULTS = {"remote-out-of-range", "remote-group-missing", "remote-empty"}
 
 
 @dataclass(frozen=True)
@@ -95,18 +158,18 @@ class Case:
 
     prefill: str
     decode: str
-    fault: str
+    fault: Fault
 
     @property
     def name(self) -> str:
-        return f"{self.prefill}->{self.decode}:{self.fault}"
+        return f"{self.prefill}->{self.decode}:{self.fault.name}"
 
 
 CASES = [Case(p, d, fault) for p, d in LAYOUTS for fault in FAULTS]
 
 
 class _Failures(logging.Handler):
-    """Log records that name a request (the worker's failure log lines)."""
+    """vLLM's warnings and errors (the worker's failure lines)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -116,76 +179,7 @@ class _Failures(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@contextmanager
-def _captured() -> Iterator[_Failures]:
-    handler = _Failures()
-    logger = logging.getLogger("vllm")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-
-
-def _inject(decode, fault: str) -> dict[str, int]:
-    """Wrap the decoder's NIXL calls; count the READs it posts."""
-    nixl = decode.nixl_wrapper
-    calls = {"posted": 0}
-    make, transfer, state = (
-        nixl.make_prepped_xfer,
-        nixl.transfer,
-        nixl.check_xfer_state,
-    )
-
-    def make_prepped_xfer(*args, **kwargs):
-        calls["posted"] += 1
-        if fault == "post-raises":
-            raise RuntimeError("injected: make_prepped_xfer failed")
-        return make(*args, **kwargs)
-
-    def transfer_(handle, *args, **kwargs):
-        if fault == "transfer-raises":
-            raise RuntimeError("injected: transfer failed")
-        return transfer(handle, *args, **kwargs)
-
-    def check_xfer_state(handle):
-        result = state(handle)
-        if fault == "state-err" and result in ("PROC", "DONE"):
-            # Let the READ land, then report it failed, as a NIXL backend
-            # does for a transfer it could not complete.
-            while result == "PROC":
-                result = state(handle)
-            return "ERR"
-        return result
-
-    nixl.make_prepped_xfer = make_prepped_xfer
-    nixl.transfer = transfer_
-    nixl.check_xfer_state = check_xfer_state
-    return calls
-
-
-def _tamper(meta, fault: str) -> None:
-    """Make handshake metadata disagree with what P registered (meta faults)."""
-    if fault == "meta-regions":
-        meta.kv_caches_base_addr = meta.kv_caches_base_addr[:-1] or [0]
-        meta.block_lens = meta.block_lens[: len(meta.kv_caches_base_addr)]
-    elif fault == "meta-block-len":
-        meta.block_lens = [length * 2 for length in meta.block_lens]
-    elif fault == "meta-num-blocks":
-        meta.num_blocks = meta.num_blocks * 4
-
-
-def _remote_ids(remote: list[list[int]], fault: str, peer_blocks: int) -> list:
-    if fault == "remote-out-of-range":
-        return [[b + peer_blocks for b in ids] for ids in remote]
-    if fault == "remote-group-missing":
-        return remote[:-1]
-    if fault == "remote-empty":
-        return [[] for _ in remote]
-    return remote
-
-
-def _poll(decode, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
+def _poll(decode: Any, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
     """(finished, failed): the request as ``get_transfer_results`` reports it."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -199,41 +193,16 @@ def _poll(decode, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
 POLICIES = ("fail", "recompute")
 
 
-@functools.cache
-def scheduler_outcome(
-    groups: int,
-    policy: str,
-    finished: bool,
-    failed: bool,
-    invalid: str,
-    abort: bool = False,
-) -> str:
-    """What vLLM's own scheduler does with a worker's report, under ``policy``.
-
-    A real ``Scheduler`` with one KV cache group, or with two (full +
-    sliding window, as an HMA model plans; it treats any number above one
-    alike) where ``groups`` is above one, parks a request on an asynchronous
-    remote load of two of its three blocks, as a decoder does for a remote
-    prefill. The worker's report comes back through ``update_from_output``:
-    the request in ``finished_recving`` (and ``failed_recving``), and as
-    invalid blocks the request's blocks of the first group (``invalid``:
-    ``"request"``), its first block only (``"other"``), or none. Then the
-    scheduler schedules once more. With ``abort`` the request is aborted
-    (``finish_requests``) while its load is in flight, before the report.
+def _parked_request(groups: int, policy: str) -> tuple[Any, Any, Any, int]:
+    """A real ``Scheduler`` of one KV cache group, or two (full + sliding
+    window: it treats any number above one alike), parking a request on a
+    remote load of two of its three blocks, as a decoder does.
 
     Returns:
-        ``"failed"`` (FINISHED_ERROR), ``"recompute"`` (scheduled again with
-        no remote token counted), ``"loaded"`` (scheduled with the remote
-        tokens counted), ``"parked"`` (still waiting for the load), or
-        ``"raised: <type>"``; with ``abort``: ``"held, then freed"`` when the
-        request's blocks stay allocated until the report (NIXL may still be
-        writing them) and are all freed by it, else what happened.
+        The scheduler, the request, its output and the free blocks before.
     """
-    from unittest.mock import Mock
-
     from tests.v1.kv_connector.unit.utils import (
         create_mock_connector,
-        create_model_runner_output,
         create_request,
         create_scheduler,
         create_vllm_config,
@@ -246,7 +215,6 @@ def scheduler_outcome(
         """A mock connector that, as NixlConnector, supports HMA."""
 
     SupportsHMA.register(HMAConnector)
-
     config = create_vllm_config(kv_load_failure_policy=policy)
     block = config.cache_config.block_size
     scheduler = create_scheduler(
@@ -261,20 +229,45 @@ def scheduler_outcome(
     connector.get_external_cache_hit_sources = (
         create_mock_connector().get_external_cache_hit_sources
     )
+    connector.get_loaded_kv_cache_group_ids.return_value = tuple(range(groups))
+    connector.get_num_new_matched_tokens.side_effect = [(2 * block, True), (0, False)]
+    connector.request_finished_all_groups.return_value = (False, None)
+    connector.take_events.return_value = ()
     scheduler.connector = connector
-    scheduler.connector.get_loaded_kv_cache_group_ids.return_value = tuple(
-        range(groups)
-    )
-    scheduler.connector.get_num_new_matched_tokens.side_effect = [
-        (2 * block, True),
-        (0, False),
-    ]
-    scheduler.connector.request_finished_all_groups.return_value = (False, None)
-    scheduler.connector.take_events.return_value = ()
-    pool = scheduler.kv_cache_manager.block_pool
-    free_at_start = pool.get_num_free_blocks()
+    free_at_start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     parked = scheduler.schedule()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return scheduler, request, parked, free_at_start
+
+
+@functools.cache
+def scheduler_outcome(
+    groups: int,
+    policy: str,
+    finished: bool,
+    failed: bool,
+    invalid: str,
+    abort: bool = False,
+) -> str:
+    """What vLLM's own scheduler does with a worker's report, under ``policy``.
+
+    The report on the ``_parked_request``: finished (and failed), with the
+    request's blocks of the first group (``invalid="request"``), its first
+    block only (``"other"``) or none invalid; then one more schedule. With
+    ``abort`` the request is aborted while its load is in flight.
+
+    Returns:
+        ``"failed"``, ``"recompute"`` (scheduled from scratch), ``"loaded"``
+        (with the remote tokens), ``"parked"``, or ``"raised: <type>"``; with
+        ``abort``: ``"held, then freed"`` when its blocks stay allocated until
+        the report (NIXL may still write them) and are all freed by it.
+    """
+    from tests.v1.kv_connector.unit.utils import create_model_runner_output
+    from vllm.v1.request import RequestStatus
+
+    scheduler, request, parked, free_at_start = _parked_request(groups, policy)
+    pool = scheduler.kv_cache_manager.block_pool
+    block = scheduler.cache_config.block_size
     if abort:
         held = pool.get_num_free_blocks()
         scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
@@ -315,85 +308,89 @@ def scheduler_outcome(
 
 def run_case(case: Case) -> dict[str, Any]:
     """Build, handshake, submit and poll one case; return its outcome."""
-    from checks.pairing_matrix import _uninitialised_empty
-    from forktools.harness.layout_zoo import fill_pattern, zero
-
     p_layout = build_zoo_layout(case.prefill, num_blocks=NUM_BLOCKS)
     d_layout = build_zoo_layout(case.decode, num_blocks=NUM_BLOCKS)
     d_raws = list(d_layout.raws)
     fill_pattern(p_layout, seed=7)
     zero(d_layout)
-    out: dict[str, Any] = {"raised": None, "step": None}
     workers = []
     try:
         for layout, engine in ((p_layout, "prefill"), (d_layout, "decode")):
-            with _uninitialised_empty():
-                workers.append(make_zoo_worker(layout, engine_id=engine, coalesce=True))
+            workers.append(make_worker(layout, engine))
         prefill, decode = workers
         try:
-            connect(decode, prefill, edit=lambda meta: _tamper(meta, case.fault))
+            connect(decode, prefill, edit=case.fault.meta)
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
-            out.update(raised=type(e).__name__, step="handshake")
+            return {"raised": type(e).__name__, "step": "handshake"}
+        out = _submit(case.fault, prefill, decode, p_layout.block_size)
+        if out["step"] is not None:
             return out
-        calls = _inject(decode, case.fault)
-        rng = random.Random(11)
-        local = _request(decode, rng, 4)
-        remote = _request(prefill, rng, 4)
-        req_id = f"req-{uuid.uuid4()}"
-        meta = request_meta(
-            prefill.engine_id,
-            req_id,
-            local,
-            _remote_ids(remote, case.fault, prefill.num_blocks),
-            num_tokens=4 * p_layout.block_size,
-        )
-        stage_request(prefill, req_id, remote)
-        if case.fault == "peer-deregistered":
-            # The prefiller goes away before the READ is posted: its KV
-            # memory is deregistered from its agent (as on sleep).
-            prefill.unregister_kv_caches()
-        with _captured() as logged:
-            decode._recving_metadata[req_id] = meta
-            try:
-                decode._read_blocks_for_req(req_id, meta)
-            except Exception as e:  # noqa: BLE001 - an outcome
-                out.update(raised=type(e).__name__, step="read")
-                return out
-            finished, failed = _poll(decode, req_id)
-            invalid = sorted(decode.get_block_ids_with_load_errors())
-        truth = _truth(d_layout, p_layout, decode, prefill, local, remote, d_raws)
-        out.update(
-            posted=calls["posted"],
-            finished=finished,
-            failed=failed,
-            invalid_blocks=invalid,
-            # The scheduler's KV cache groups: block-level failure reports
-            # need one (a HiSparse decoder's host pool is a transfer group
-            # only); its blocks are the first transfer group's.
-            groups=len(decode.kv_cache_config.kv_cache_groups),
-            request_blocks=sorted(set(local[0])),
-            logged=any(req_id in m for m in logged.messages),
-            wrong_pages=truth["wrong_pages"],
-            outside_clean=truth["outside_clean"],
-        )
+        local, remote = out.pop("ids")
+        found = truth(d_layout, p_layout, decode, prefill, local, remote, d_raws)
+        out |= {key: found[key] for key in ("wrong_pages", "outside_clean")}
         reported = "none"
-        if invalid:
-            reported = "request" if invalid == out["request_blocks"] else "other"
-        out["scheduler"] = {
-            policy: scheduler_outcome(
-                out["groups"],
-                policy,
-                finished,
-                failed,
-                reported,
-                abort=case.fault == "abort-in-flight",
-            )
-            for policy in POLICIES
+        if out["invalid_blocks"]:
+            same = out["invalid_blocks"] == out["request_blocks"]
+            reported = "request" if same else "other"
+        report = (out["finished"], out["failed"], reported)
+        return out | {
+            "scheduler": {
+                policy: scheduler_outcome(
+                    out["groups"], policy, *report, abort=case.fault.abort
+                )
+                for policy in POLICIES
+            }
         }
-        return out
     finally:
         for worker in reversed(workers):
             worker.shutdown()
+
+
+def _submit(fault: Fault, prefill: Any, decode: Any, block_size: int) -> dict:
+    """Submit one request with ``fault`` injected, as ``start_load_kv`` does,
+    and poll the decoder until it reports it."""
+    if fault.nixl is not None:
+        fault.nixl(decode.nixl_wrapper)
+    # Count the READs posted.
+    nixl = decode.nixl_wrapper
+    nixl.make_prepped_xfer = posts = Mock(wraps=nixl.make_prepped_xfer)
+    rng = random.Random(11)
+    local = request_ids(decode, rng, 4)
+    remote = request_ids(prefill, rng, 4)
+    sent = remote if fault.remote is None else fault.remote(remote, prefill.num_blocks)
+    req_id = f"req-{uuid.uuid4()}"
+    tokens = 4 * block_size
+    meta = request_meta(prefill.engine_id, req_id, local, sent, num_tokens=tokens)
+    stage_request(prefill, req_id, remote)
+    if fault.before_read is not None:
+        fault.before_read(prefill)
+    logged = _Failures()
+    logging.getLogger("vllm").addHandler(logged)
+    try:
+        decode._recving_metadata[req_id] = meta
+        try:
+            decode._read_blocks_for_req(req_id, meta)
+        except Exception as e:  # noqa: BLE001 - an outcome
+            return {"raised": type(e).__name__, "step": "read"}
+        finished, failed = _poll(decode, req_id)
+        invalid = sorted(decode.get_block_ids_with_load_errors())
+    finally:
+        logging.getLogger("vllm").removeHandler(logged)
+    return {
+        "raised": None,
+        "step": None,
+        "ids": (local, remote),
+        "posted": posts.call_count,
+        "finished": finished,
+        "failed": failed,
+        "invalid_blocks": invalid,
+        # The scheduler's KV cache groups: block-level failure reports need
+        # one (a HiSparse decoder's host pool is a transfer group only); its
+        # blocks are the first transfer group's.
+        "groups": len(decode.kv_cache_config.kv_cache_groups),
+        "request_blocks": sorted(set(local[0])),
+        "logged": any(req_id in m for m in logged.messages),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rolling upgrades and one-sided settings, each side in its own tree's process.
 
-Every ``cross_tree.CROSS_CASES`` pair runs with each side a configuration in
-a process of its tree (stock 0.34.0 from ``STOCK_TREE``, default
-``build/stock``; the fork from ``build/vllm``), and is held against stock +
-stock of the same configurations (``Pair.oracle``): where stock pairs them,
-the fork must pair them too, land exactly the prefiller's pages, change no
-other decoder byte, and post no more descriptors; where stock refuses them
-at the handshake (``STOCK_REFUSALS``), the fork serves them exactly or
-refuses them at the handshake too, with a message. A side of TP above 1 is
-one worker per TP rank, every decoder rank reading and checking its KV
-heads. The results go to ``build/checks/cross_tree.json`` (the PR
-description's table).
+Every ``cross_tree.CROSS_CASES`` pair (stock 0.34.0 from ``STOCK_TREE``) is
+held against stock + stock of the same configurations (``Pair.oracle``):
+where stock pairs them, the fork must pair them too, land exactly the
+prefiller's pages, change no other decoder byte and post no more
+descriptors; where stock refuses them at the handshake (``STOCK_REFUSALS``),
+the fork serves them exactly or refuses them there too. The results go to
+``build/checks/cross_tree.json`` (the PR description's table).
 """
 
 import json
@@ -24,7 +20,6 @@ pytest.importorskip("nixl")
 
 from checks.cross_tree import (  # noqa: E402
     CROSS_CASES,
-    ROOT,
     STOCK_REFUSALS,
     Pair,
     run_killed,
@@ -32,8 +27,9 @@ from checks.cross_tree import (  # noqa: E402
     series_refusal,
 )
 from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
+from forktools.paths import CHECKS_OUT, STOCK_TREE, TREE  # noqa: E402
 
-OUT = ROOT / "build" / "checks" / "cross_tree.json"
+OUT = CHECKS_OUT / "cross_tree.json"
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +37,7 @@ def results() -> dict:
     reason = probe_real_nixl()
     if reason is not None:
         pytest.skip(f"real NIXL over UCX unavailable: {reason}")
-    trees = {
-        "stock": Path(os.environ.get("STOCK_TREE", ROOT / "build" / "stock")),
-        "fork": ROOT / "build" / "vllm",
-    }
+    trees = {"stock": Path(os.environ.get("STOCK_TREE", STOCK_TREE)), "fork": TREE}
     for tree in trees.values():
         if not (tree / "vllm" / "__init__.py").is_file():
             pytest.fail(
@@ -52,20 +45,10 @@ def results() -> dict:
             )
     oracles = list({p.oracle().name: p.oracle() for p in CROSS_CASES}.values())
     got = run_pairs(list(CROSS_CASES) + oracles, trees)
+    pairs = [{"pair": p.name, "oracle": p.oracle().name} for p in CROSS_CASES]
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(
-        json.dumps(
-            {
-                "pairs": [
-                    {"pair": p.name, "oracle": p.oracle().name} for p in CROSS_CASES
-                ],
-                "results": got,
-            },
-            indent=1,
-        )
-        + "\n",
-        encoding="utf-8",
-    )
+    text = json.dumps({"pairs": pairs, "results": got}, indent=1)
+    OUT.write_text(text + "\n", encoding="utf-8")
     return got
 
 
@@ -137,7 +120,7 @@ def test_killed_prefiller_is_reported(before_post: bool):
     reason = probe_real_nixl()
     if reason is not None:
         pytest.skip(f"real NIXL over UCX unavailable: {reason}")
-    got = run_killed(ROOT / "build" / "vllm", before_post=before_post)
+    got = run_killed(TREE, before_post=before_post)
     assert "error" not in got, got
     assert got["finished"], f"never reported after the prefiller died: {got}"
     assert got["outside_clean"], got

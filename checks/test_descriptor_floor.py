@@ -64,44 +64,15 @@ POLICIES = [
 ]
 
 
-def churned_lists(policy: str, seed: int, count: int) -> list[list[int]]:
-    """Block lists of ``count`` allocations from a churned pool."""
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
-
-    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
-    pool.sort_new_blocks = policy == "sorted"
-    rng = random.Random(seed)
-    live: list[list] = []
-    lists: list[list[int]] = []
-    next_hash = 0
-    while len(lists) < count:
-        if live and (rng.random() < 0.45 or pool.get_num_free_blocks() < 64):
-            blocks = live.pop(rng.randrange(len(live)))
-            # Managers free a request's tail first.
-            pool.free_blocks(reversed(blocks))
-            continue
-        blocks = pool.get_new_blocks(rng.randint(2, 48))
-        for block in blocks[: rng.randint(0, len(blocks))]:
-            next_hash += 1
-            key = BlockHash(next_hash.to_bytes(8, "little"))
-            pool._insert_block_hash(
-                make_block_hash_with_group_id(key, 0), block, num_tokens=None
-            )
-        live.append(blocks)
-        if len(live) > 4:
-            lists.append([block.block_id for block in blocks])
-    return lists
-
-
 def churned_requests(
-    policy: str, seed: int, count: int, groups: int
+    policy: str, seed: int, count: int, groups: int = 1
 ) -> list[list[list[int]]]:
     """Per-group block lists of ``count`` requests from a churned pool.
 
     Each request allocates ``groups`` lists of the same length one after the
-    other (the hybrid manager allocates a request's groups in turn) and is
-    freed group by group, each tail first.
+    other (the hybrid manager allocates a request's groups in turn), hashes a
+    prefix of each (prefix caching) and is freed group by group, each tail
+    first, as managers free.
     """
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
@@ -117,7 +88,8 @@ def churned_requests(
             for blocks in reversed(live.pop(rng.randrange(len(live)))):
                 pool.free_blocks(reversed(blocks))
             continue
-        size = rng.randint(1, 48 // groups)
+        # Single-group requests take 2 to 48 blocks.
+        size = rng.randint(2 if groups == 1 else 1, 48 // groups)
         request = [pool.get_new_blocks(size) for _ in range(groups)]
         for blocks in request:
             for block in blocks[: rng.randint(0, len(blocks))]:
@@ -132,25 +104,6 @@ def churned_requests(
     return requests
 
 
-def runs(local: list[int], remote: list[int]) -> int:
-    """(local, remote) pairs merged where both sides continue: the floor."""
-    pairs = sorted(zip(local, remote, strict=True))
-    return 1 + sum(
-        (b[0], b[1]) != (a[0] + 1, a[1] + 1)
-        for a, b in zip(pairs, pairs[1:], strict=False)
-    )
-
-
-def _dense(worker) -> list[bool]:
-    """Per region: its length is its block stride (a whole row or slab)."""
-    return [
-        length == stride
-        for length, stride in zip(
-            worker.block_len_per_layer, worker.block_stride_per_layer, strict=True
-        )
-    ]
-
-
 def _pair_floor(decode, engine_id, local, remote) -> int:
     """The fewest descriptors the READ's block lists allow, by NIXL's rule.
 
@@ -163,7 +116,13 @@ def _pair_floor(decode, engine_id, local, remote) -> int:
     both block ids advance by one; any other region costs one per block.
     """
     pairs = decode._dst_pairs[engine_id]
-    dense = _dense(decode)
+    # Dense regions: length == block stride (a whole row or slab).
+    dense = [
+        length == stride
+        for length, stride in zip(
+            decode.block_len_per_layer, decode.block_stride_per_layer, strict=True
+        )
+    ]
     seq = []
     for group in sorted(set(pairs.group)):
         order = sorted(zip(local[group], remote[group], strict=True))
@@ -195,16 +154,12 @@ def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
     p_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
     d_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
     groups = len(p_layout.kv_cache_config.transfer_groups)
-    if groups == 1:
-        remote_lists = [[ids] for ids in churned_lists(policy, seed=1, count=12)]
-        local_lists = [[ids] for ids in churned_lists(policy, seed=2, count=12)]
-    else:
-        remote_lists = churned_requests(policy, seed=1, count=12, groups=groups)
-        local_lists = churned_requests(policy, seed=2, count=12, groups=groups)
+    remote_lists = churned_requests(policy, seed=1, count=12, groups=groups)
+    local_lists = churned_requests(policy, seed=2, count=12, groups=groups)
     fill_pattern(p_layout, seed=3)
     zero(d_layout)
-    prefill = make_zoo_worker(p_layout, engine_id="prefill", coalesce=True)
-    decode = make_zoo_worker(d_layout, engine_id="decode", coalesce=True)
+    prefill = make_zoo_worker(p_layout, engine_id="prefill")
+    decode = make_zoo_worker(d_layout, engine_id="decode")
     try:
         assert prefill.num_regions == decode.num_regions == regions
         connect(decode, prefill)

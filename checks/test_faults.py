@@ -1,29 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 under faults and bad peer input (real NIXL).
 
-``forktools/run_tests.py`` first runs ``checks.faults --json`` against the
-pristine 0.34.0 tree (``build/stock``) and passes its JSON in
-``STOCK_FAULTS``. Every case then runs here on the fork (``checks/faults.py``
-says what each injects). On every case the fork must:
-
-- never raise out of the read path: the engine calls it from its step, so an
-  exception there takes the decoder down (stock raises on a missing group
-  list or an empty remote list); a handshake may refuse the peer, where
-  stock refuses it or where the fork reads it exactly otherwise;
-- report a request it could not read on the channel the scheduler acts on:
-  in ``failed_recving``, and for a model of one KV cache group (in the
-  scheduler) exactly the request's blocks as invalid (several groups: none,
-  block ids are not unique across groups);
-- refuse invalid peer input before NIXL sees it (nothing posted), with a
-  log line naming the request;
-- change no decoder byte outside the request's blocks, and land every page
-  exactly when it reports success;
-- have vLLM's own scheduler act on that report as its policy says: under
-  ``"fail"`` a failed request fails, under ``"recompute"`` it is computed
-  again, and a request is only ever scheduled with its remote tokens counted
-  when every page landed, and a request aborted while its READ is in
-  flight keeps its blocks until the READ is reported;
-- read exactly wherever stock reads exactly.
+``forktools/run_tests.py`` first runs ``checks.faults --json`` on the
+pristine 0.34.0 tree and passes its JSON in ``STOCK_FAULTS``. On every case
+(``faults.FAULTS``) the fork must never raise out of the read path (the
+engine calls it from its step: that takes the decoder down); report a request
+it could not read in ``failed_recving``, with exactly the request's blocks as
+invalid for a model of one KV cache group (none for several: block ids are
+not unique across groups); refuse bad peer input before NIXL sees it, with a
+log line naming the request; change no decoder byte outside the request's
+blocks and land every page when it reports success; have vLLM's scheduler
+act on the report as its policy says; and read exactly wherever stock does.
 """
 
 import json
@@ -34,7 +21,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from checks.faults import CASES, INPUT_FAULTS, Case, run_case  # noqa: E402
+from checks.faults import CASES, Case, run_case  # noqa: E402
 from checks.parked import param  # noqa: E402
 from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
@@ -53,24 +40,8 @@ def stock() -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-# Bad remote block ids are refused before NIXL sees them (nothing posted, the
-# read path raising nothing) by the patch that checks them: on 0.34.0 without
-# it, out-of-range ids reach NIXL, and a missing group list (IndexError) or
-# an empty one (AssertionError, ValueError on a HiSparse decoder) raise out
-# of the read path.
-CHECKED_IDS = ("nixl-remote-block-id-checks",)
-
-
 @pytest.mark.parametrize(
-    "case",
-    [
-        param(
-            case,
-            patches=CHECKED_IDS if case.fault in INPUT_FAULTS else (),
-            id=case.name,
-        )
-        for case in CASES
-    ],
+    "case", [param(case, patches=case.fault.needs, id=case.name) for case in CASES]
 )
 def test_fault_is_reported_and_contained(stock: dict, case: Case):
     _check(case, run_case(case), stock[case.name])
@@ -111,16 +82,12 @@ def _check(case: Case, got: dict, want: dict) -> None:
     assert got["raised"] is None, f"{case.name}: the read path raised {got}"
     assert got["outside_clean"], f"{case.name}: bytes outside the request changed"
     assert got["finished"], f"{case.name}: the request was never reported"
+    fault = case.fault
     if not got["failed"]:
-        assert case.fault not in INPUT_FAULTS, got
+        assert not fault.bad_input, got
         assert got["wrong_pages"] == 0, f"{case.name}: reported done, {got}"
-        if case.fault == "abort-in-flight":
-            # Aborted while NIXL may write them: the blocks are freed only by
-            # the report.
-            held = "held, then freed"
-            assert got["scheduler"] == {"fail": held, "recompute": held}, got
-        else:
-            assert got["scheduler"] == {"fail": "loaded", "recompute": "loaded"}, got
+        loaded = dict.fromkeys(("fail", "recompute"), fault.loaded)
+        assert got["scheduler"] == loaded, got
         return
     assert got["scheduler"] == {"fail": "failed", "recompute": "recompute"}, got
     # The failure channel of the model.
@@ -129,10 +96,10 @@ def _check(case: Case, got: dict, want: dict) -> None:
     else:
         assert got["invalid_blocks"] == [], got
     assert got["logged"], f"{case.name}: no log line names the request"
-    if case.fault in INPUT_FAULTS:
+    if fault.bad_input:
         assert got["posted"] == 0, f"{case.name}: invalid ids reached NIXL"
     # Where stock reads exactly, so does the fork.
     stock_exact = (
         want["step"] is None and not want["failed"] and not want["wrong_pages"]
     )
-    assert not stock_exact or case.fault in INPUT_FAULTS, (got, want)
+    assert not stock_exact or fault.bad_input, (got, want)

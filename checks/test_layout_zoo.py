@@ -25,9 +25,8 @@ from forktools.harness.layout_zoo import (
 
 pytestmark = pytest.mark.cpu_test
 
-# The 2026 families (``zoo_models``) under stock registration
-# (``coalesce=False``, their default layer counts): regions per side and
-# transfer groups, all aliasing one block row from byte 0.
+# The 2026 families (``zoo_models``, their default layer counts): regions per
+# side and transfer groups, all aliasing one block row from byte 0.
 MODEL_ROWS = {
     "dsv4/BLHNC": (1, 6),
     "dsv4-mtp/BLHNC": (1, 6),
@@ -43,9 +42,6 @@ MODEL_ROWS = {
 }
 # Layouts whose workers refuse to register: the message.
 REFUSED_AT_REGISTRATION = {
-    # (gqa-mixed/BLHNC, pages of two sizes at one address: 0.34.0 keys its
-    # regions by (base address, block length), upstream's fix of #57661, and
-    # registers and reads it; the pairing matrix checks its bytes.)
     # The V4.1 compressor ring (a CircularBufferSpec) shares its row.
     "dsv41+host-staging/BLHNC": "CSA-linear shared tensors",
 }
@@ -82,10 +78,10 @@ def test_zoo_layout_handshakes(name, real_nixl):
     decode_layout = build_zoo_layout(name)
     if name in REFUSED_AT_REGISTRATION:
         with pytest.raises(NotImplementedError, match=REFUSED_AT_REGISTRATION[name]):
-            make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
+            make_zoo_worker(prefill_layout, engine_id=f"P-{name}")
         return
-    prefill = make_zoo_worker(prefill_layout, engine_id=f"P-{name}", coalesce=False)
-    decode = make_zoo_worker(decode_layout, engine_id=f"D-{name}", coalesce=False)
+    prefill = make_zoo_worker(prefill_layout, engine_id=f"P-{name}")
+    decode = make_zoo_worker(decode_layout, engine_id=f"D-{name}")
     try:
         assert prefill.num_regions == decode.num_regions > 0
         assert connect(decode, prefill)
@@ -151,7 +147,7 @@ def test_model_family_rows(name):
     assert raw.numel() == config.num_blocks * max(
         t.block_stride for t in config.kv_cache_tensors
     )
-    worker = make_zoo_worker(layout, engine_id="P", coalesce=False, real_nixl=False)
+    worker = make_zoo_worker(layout, engine_id="P", real_nixl=False)
     try:
         assert worker.num_regions == regions
     finally:
@@ -160,6 +156,6 @@ def test_model_family_rows(name):
 
 def test_glm_at_78_layers():
     layout = build_zoo_layout("hisparse-glm53/BLHNC", num_layers=78, num_blocks=16)
-    worker = make_zoo_worker(layout, engine_id="P", coalesce=False, real_nixl=False)
+    worker = make_zoo_worker(layout, engine_id="P", real_nixl=False)
     # 23 strided indexer regions + 78 dense host MLA regions.
     assert worker.num_regions == 101

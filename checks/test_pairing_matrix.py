@@ -1,38 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 on every P/D pair of the pairing matrix.
 
-``forktools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` against
-the pristine 0.34.0 tree (``build/stock``) and passes its JSON in
-``STOCK_MATRIX``. Every case then runs here on the fork and is held against
-stock's run of the same case: each side the same configuration (layout,
-device or host staging, block size), resolved by its own tree.
+``forktools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` on
+the pristine 0.34.0 tree and passes its JSON in ``STOCK_MATRIX``. Every case
+then runs here on the fork and is held against stock's run of the same case.
 
-Stock is held against the truth first: where it accepts a pair, D's pages of
-the request must equal P's, no byte of the request's blocks may hold bytes
-from no page of P, and nothing outside the request's blocks may change
-(``pairing_matrix._truth``). A stock case that fails that is a stock bug:
-it must be named in ``STOCK_CORRUPTS`` (and a named case must still be
-wrong on stock). The fork must:
-
-- be exact wherever it accepts a pair, whatever stock does, except on the
-  stock bugs it does not fix yet or whose fix is parked
-  (``fork_keeps_stock_bug``), where it must move exactly stock's bytes;
-- register as many regions per side as stock, except (while their layout
-  stack patches are built) a host-staging side of a single-group MLA row
-  (``MIRRORED_STAGING``), which the fork stages in one buffer mirroring the
-  device row: as many as stock's device side (every layout here is one a
-  user sets, under which the fork registers GQA rows as stock does);
-- accept every pair stock accepts, failing at the same step (registration,
-  handshake or READ) where both refuse; a pair of a row side and a
-  per-layer side that stock refuses may be accepted if it is exact; where
-  stock is wrong (``STOCK_CORRUPTS``) it may instead refuse the pair, with an
-  error that gives the entry's hint;
-- leave every byte of the decoder's device allocations as stock leaves them
-  (unless stock is wrong there);
-- move the same number of bytes and post no more descriptors (where stock is
-  right);
-- refuse at registration, with the entry's hint, every case with a side in
-  ``FORK_REFUSES`` (layouts stock corrupts or refuses).
+Stock is held against the truth first (``truth.truth``): a wrong stock case
+is a stock bug and must be named in ``STOCK_CORRUPTS`` (and a named case must
+still be wrong on stock). The fork must be exact wherever it accepts a pair
+(except on the stock bugs it keeps, ``fork_keeps_stock_bug``: exactly stock's
+bytes there), register as many regions per side as stock (a mirrored staging
+side: as stock's device side, ``MIRRORED_STAGING``), accept every pair stock
+accepts and fail at the same step where both refuse, leave the decoder's
+bytes as stock does, move as many bytes and post no more descriptors.
 """
 
 import json
@@ -118,8 +98,7 @@ def _crosses_layouts(case: Case) -> bool:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_pair_matches_stock(stock: dict, case: Case):
-    name = case.name
-    want = stock[name]
+    name, want = case.name, stock[case.name]
     # Stock against the truth: a wrong stock case must be named, and a named
     # one must still be wrong.
     stock_wrong = wrong(want)
@@ -149,11 +128,17 @@ def test_pair_matches_stock(stock: dict, case: Case):
         return
     # The fork against the truth, whatever stock does.
     assert not wrong(got), f"{case.name}: the fork is not exact: {wrong(got)}"
-    # A mirrored staging side registers and reads as its device layout does:
-    # stock's case with the staging sides on the device.
+    _check_against_stock(case, got, want, stock[device_case(case).name], stock_wrong)
+
+
+def _check_against_stock(
+    case: Case, got: dict, want: dict, on_device: dict, stock_wrong: list[str]
+) -> None:
+    """An exact fork outcome against stock's (``want``), and against stock's
+    case with the staging sides on the device (``on_device``): a mirrored
+    staging side registers and reads as its device layout does."""
     sides = (case.prefill.layout, case.decode.layout)
     mirrored = [layout in MIRRORED_STAGING for layout in sides]
-    on_device = stock[device_case(case).name]
     if got.get("regions") is not None:
         # Registration: as many regions per side as stock; a mirrored staging
         # side as many as stock's device side of its layout.
@@ -167,7 +152,7 @@ def test_pair_matches_stock(stock: dict, case: Case):
     if stock_wrong and not got["accepted"]:
         # Stock moves wrong bytes here: refusing the pair is the fix too, if
         # the error tells the user what works.
-        _, hint, _ = STOCK_CORRUPTS[name]
+        _, hint, _ = STOCK_CORRUPTS[case.name]
         assert got.get("message"), got
         assert hint is None or hint in got["message"], got
         return

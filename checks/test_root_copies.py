@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The repository keeps each new file of the series as the whole series leaves
-it (``forktools/fork.py``): a root copy equals build/vllm HEAD's, and ``build``
+it (``forktools/save_series.py``): a root copy equals build/vllm HEAD's, and ``build``
 derives the version a patch adds from the later patches' diffs.
 
 Stdlib and git only (no vLLM): the test command's suite ``root-final`` runs it
@@ -18,7 +18,10 @@ from types import ModuleType
 
 import pytest
 
+from forktools.git_ops import BUILD_IDENTITY, git, git_out, series_commits
+from forktools.manifest import load_manifest
 from forktools.paths import ROOT
+from forktools.save_series import root_differences
 
 
 def test_root_copies_are_the_built_tree_final_versions() -> None:
@@ -60,9 +63,12 @@ V3 = "def f():\n    return 2\n\n\ndef g():\n    return 4\n"
 
 @pytest.fixture
 def fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """forktools/fork.py on a scratch repository and a tiny fake release sdist."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from forktools import fork, manifest
+    """forktools/fork.py on a scratch repository and a tiny fake release sdist.
+
+    The fork modules read ``forktools.paths`` when they run; ``fetch_sdist``
+    and ``make_base`` are replaced where they are called.
+    """
+    from forktools import build_tree, fork, paths
 
     repo = tmp_path / "repo"
     (repo / "series" / "diffs").mkdir(parents=True)
@@ -76,35 +82,36 @@ def fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     sdist = tmp_path / "vllm-x.tar.gz"
     with tarfile.open(sdist, "w:gz") as tf:
         tf.add(src, arcname="vllm-x")
-    for module, name, value in [
-        (manifest, "ROOT", repo),
-        (manifest, "MANIFEST", repo / "series" / "manifest.toml"),
-        (fork, "ROOT", repo),
-        (fork, "MANIFEST", repo / "series" / "manifest.toml"),
-        (fork, "TREE", repo / "build" / "vllm"),
-        (fork, "STACK1_TREE", repo / "build" / "stack1"),
-        (fork, "fetch_sdist", lambda: sdist),
-        (fork, "make_base", functools.partial(fork.make_base, expect=None)),
+    make_base = functools.partial(build_tree.make_base, expect=None)
+    for name, value in [
+        ("ROOT", repo),
+        ("TREE", repo / "build" / "vllm"),
+        ("STACK1_TREE", repo / "build" / "stack1"),
     ]:
-        monkeypatch.setattr(module, name, value)
+        monkeypatch.setattr(paths, name, value)
+    for module in (build_tree, fork):
+        monkeypatch.setattr(module, "fetch_sdist", lambda: sdist)
+        monkeypatch.setattr(module, "make_base", make_base)
     return fork
 
 
-def _commit(fork: ModuleType, tree: Path, msg: str, files: dict[str, str]) -> str:
+def _commit(tree: Path, msg: str, files: dict[str, str]) -> str:
     for rel, text in files.items():
         (tree / rel).write_text(text)
-    fork.git(tree, "add", "-A")
-    fork.git(tree, "commit", "-q", "-m", msg, identity=fork.BUILD_IDENTITY)
-    return fork.git_out(tree, "rev-parse", "HEAD")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", msg, identity=BUILD_IDENTITY)
+    return git_out(tree, "rev-parse", "HEAD")
 
 
 def test_later_patch_edits_an_earlier_patch_new_file(fork: ModuleType) -> None:
-    repo, tree = fork.ROOT, fork.TREE
+    from forktools import paths
+
+    repo, tree = paths.ROOT, paths.TREE
     assert fork.main(["build"]) == 0  # the parked patch alone: nothing built
     commits = [
-        _commit(fork, tree, "Add new\n\nWhy one.", {NEW: V1, "vllm/core.py": "c\n"}),
-        _commit(fork, tree, "Edit new\n\nWhy two.", {NEW: V2}),
-        _commit(fork, tree, "Edit new again\n\nWhy three.", {NEW: V3}),
+        _commit(tree, "Add new\n\nWhy one.", {NEW: V1, "vllm/core.py": "c\n"}),
+        _commit(tree, "Edit new\n\nWhy two.", {NEW: V2}),
+        _commit(tree, "Edit new again\n\nWhy three.", {NEW: V3}),
     ]
     (repo / "series" / "manifest.toml").write_text(ACTIVE + PARKED)
     assert fork.main(["save"]) == 0
@@ -119,14 +126,14 @@ def test_later_patch_edits_an_earlier_patch_new_file(fork: ModuleType) -> None:
 
     # build reproduces every commit byte-exact (ids: trees and messages).
     assert fork.main(["build", "--force"]) == 0
-    assert fork.series_commits(tree) == commits
-    assert fork.git_out(tree, "show", f"{commits[0]}:vllm/new.py") + "\n" == V1
+    assert series_commits(tree) == commits
+    assert git_out(tree, "show", f"{commits[0]}:vllm/new.py") + "\n" == V1
     assert fork.main(["save", "--check"]) == 0
     assert fork.main(["roundtrip"]) == 0
 
     # A root copy that is not the built tree's final version is caught.
     (repo / "vllm" / "new.py").write_text(V2)
     assert fork.main(["check-root"]) == 1
-    assert fork.root_differences(fork.load_manifest()) == ["vllm/new.py (content)"]
+    assert root_differences(load_manifest()) == ["vllm/new.py (content)"]
     assert fork.main(["save", "--check"]) == 1
     assert fork.main(["build", "--force"]) == 1  # V2 takes no reverse of 0003

@@ -2,30 +2,20 @@
 """Build the release's CPU extension (``vllm/_C``) offline, once, and cache it.
 
 The end-to-end check (``checks/e2e/``) runs real engines, which need the
-compiled CPU kernels. The series changes Python only, so one build serves
-both trees (stock ``build/stock`` and the fork ``build/vllm``).
+compiled CPU kernels; the series changes Python only, so one build serves both
+trees. ``build`` extracts the verified release sdist, applies the build
+patches in ``series/release.toml``'s ``cpu_patches`` folder (project tooling,
+never exported), and builds with CMake only the target ``CpuPlatform.
+import_kernels`` loads on this machine (``_C`` with AVX512-BF16, else
+``_C_AVX512`` or ``_C_AVX2``). The library lands in
+``build/cache/cpu-ext/<key>/``, the key hashing everything it depends on; a
+second run with the same key does nothing. ``install TREE...`` links it into
+each tree's ``vllm/`` (upstream's .gitignore ignores ``*.so``).
 
-The release is ``series/release.toml``'s ``version`` (``VLLM_VERSION``).
-``build`` extracts its verified sdist (``forktools/fork.py fetch``), applies the
-build patches in the release file's ``cpu_patches`` folder
-(``tools/cpu_ext/*.diff``: project tooling, never exported; each file starts
-with its one-line ``Reason:``), configures with CMake and builds
-only the target the CPU platform imports on this machine (``_C`` with
-AVX512-BF16, else ``_C_AVX512`` or ``_C_AVX2``: ``CpuPlatform.import_kernels``).
-The library lands in ``build/cache/cpu-ext/<key>/``, the key hashing the
-sdist's sha256, the patches, the target, torch's version and the compiler's;
-a second run with the same key does nothing. ``install TREE...`` links the
-cached library into each tree's ``vllm/`` (upstream's .gitignore ignores
-``*.so``, so the trees stay clean). A failed step prints the log line that
-says why and where the full log is.
+Needs CMake >= 3.26 and ninja (the project venv has both), gcc >= 12.2 and
+``numa.h`` (``libnuma-dev``, installed with apt-get when run as root).
 
-Needs: CMake >= 3.26 and ninja (the project venv has both), a C++ compiler
-(gcc >= 12.2) and ``numa.h`` (Debian's ``libnuma-dev``, installed with
-apt-get when missing and run as root).
-
-    python3 -m forktools.cpu_ext build
-    python3 -m forktools.cpu_ext install build/vllm build/stock
-    python3 -m forktools.cpu_ext key
+    python3 -m forktools.cpu_ext build | key | install build/vllm build/stock
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -43,29 +32,21 @@ import tarfile
 import time
 from pathlib import Path
 
-from forktools.fork import (
-    CACHE_DIR,
-    RELEASE,
-    ROOT,
-    SDIST_SHA256,
-    VLLM_VERSION,
-    fetch_sdist,
-)
+from forktools.build_tree import SDIST_SHA256, fetch_sdist
+from forktools.manifest import RELEASE, VLLM_VERSION
+from forktools.paths import BUILD, CACHE_DIR, ROOT
 
 PATCH_DIR = ROOT / RELEASE.get("cpu_patches", "tools/cpu_ext")
 EXT_CACHE = CACHE_DIR / "cpu-ext"
-WORK = ROOT / "build" / "cpu-ext"
+WORK = BUILD / "cpu-ext"
 LOG = WORK / "build.log"
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
 CMAKE_ARGS = ["-DVLLM_TARGET_DEVICE=cpu", "-DCMAKE_BUILD_TYPE=Release",
               "-DVLLM_CPU_ONEDNN=OFF"]  # fmt: skip
-# The log lines that say why a build failed, most specific first.
-CAUSES = re.compile(
-    r"(internal compiler error|fatal error:|error:|CMake Error|FAILED:|"
-    r"No such file|not found)",
-    re.IGNORECASE,
-)
+# What the log lines that say why a build failed hold, most specific first.
+CAUSES = ("internal compiler error", "fatal error:", "error:", "cmake error",
+          "failed:", "no such file", "not found")  # fmt: skip
 
 
 class BuildError(Exception):
@@ -133,9 +114,10 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
 
 def _cause() -> str:
     lines = LOG.read_text(encoding="utf-8", errors="replace").splitlines()
-    for pattern in CAUSES.pattern.strip("()").split("|"):
-        rx = re.compile(pattern, re.IGNORECASE)
-        hits = [ln.strip() for ln in lines if rx.search(ln) and "warning" not in ln]
+    for cause in CAUSES:
+        hits = [
+            ln.strip() for ln in lines if cause in ln.lower() and "warning" not in ln
+        ]
         if hits:
             return hits[0][:240]
     return ""

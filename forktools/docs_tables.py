@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pull-request descriptions ("cover letters") and the project's tables.
-
-Each patch may have a hand-written description in ``series/covers/<name>.md``
-laid out as upstream's ``.github/PULL_REQUEST_TEMPLATE.md`` (Overview, Claims,
-Validation, Details, checklist). A description quotes only what runs in a vLLM
-tree with the patch applied (a test's ``-s`` output, a snippet it shows);
-``<!-- lines -->`` becomes the patch's size. A project table directive in a
-description is refused (:class:`CoverError`), as ``fork.py export`` refuses a
-mention of ``tools/`` in anything it writes.
+"""The tables of the project's pages, rendered from measured JSON.
 
 Measured figures of the project's own pages are never typed: a line
 ``<!-- table: NAME -->`` in README.md or ``project-docs/*.md`` is replaced by a
@@ -23,7 +15,6 @@ Text lines are wrapped at ``WRAP`` columns; no table row is longer than
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,74 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from forktools.manifest import VLLM_VERSION
+from forktools.pages import (
+    DIRECTIVE,
+    END_TABLE,
+    MAX_LINE,
+    long_lines,
+    pages,
+    wrap_markdown,
+)
 from forktools.paths import ROOT
 from forktools.tables import markdown, markdown_rows, num
 
-COVERS = ROOT / "series" / "covers"
 BENCH = ROOT / "build" / "bench"
 RESULTS = ROOT / "build" / "test-results"
-# ``<!-- table: NAME -->`` or ``<!-- table: NAME:ARG -->`` (e.g. the main job's
-# scenarios ``main-job:1,2``), and ``<!-- lines -->`` for the patch's size.
-DIRECTIVE = re.compile(
-    r"^<!-- table: (?P<name>[a-z0-9-]+)(:(?P<arg>[a-z0-9,-]+))? -->$"
-)
-LINES = "<!-- lines -->"
-# The pages whose tables ``readme`` fills: the landing page and the project's
-# own pages (not upstream's docs/: the series keeps upstream paths at the root).
-PROJECT_DOCS = ROOT / "project-docs"
-WRAP = 100  # text lines of rendered tables' notes
-MAX_LINE = 300  # no line of a page is longer, outside code blocks
-# A word that would start a Markdown block if a wrapped line began with it.
-BLOCK_START = re.compile(r"^([-+*>#|=]|\d+[.)]|```)")
-LIST_ITEM = re.compile(r"^([-*+] |\d+\. )")
-
-
-def pages() -> list[Path]:
-    """README.md, then project-docs/*.md."""
-    return [ROOT / "README.md", *sorted(PROJECT_DOCS.glob("*.md"))]
-
-
-def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
-    """Wrap text lines (not table rows, not code) at ``width``.
-
-    A list item's continuation lines are indented under its text; a line
-    never starts with a word that would open a Markdown block.
-    """
-    out: list[str] = []
-    fence = False
-    for line in lines:
-        stripped = line.lstrip()
-        if stripped.startswith("```"):
-            fence = not fence
-        if fence or len(line) <= width or stripped.startswith(("|", "```")):
-            out.append(line)
-            continue
-        indent = line[: len(line) - len(stripped)]
-        item = LIST_ITEM.match(stripped)
-        first = indent + (item.group(0) if item else "")
-        rest = " " * len(first)
-        current = first
-        for word in stripped[len(item.group(0)) if item else 0 :].split():
-            bare = current in (first, rest)
-            too_long = len(current) + 1 + len(word) > width
-            if not bare and too_long and not BLOCK_START.match(word):
-                out.append(current)
-                current = rest + word
-                continue
-            current += word if bare else " " + word
-        out.append(current)
-    return out
-
-
-def long_lines(text: str, limit: int = MAX_LINE) -> list[int]:
-    """Numbers of the lines longer than ``limit``, outside code blocks."""
-    found, fence = [], False
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.lstrip().startswith("```"):
-            fence = not fence
-        elif not fence and len(line) > limit:
-            found.append(n)
-    return found
 
 
 @dataclass(frozen=True)
@@ -117,9 +53,6 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
         text = f"{run['prefill_regions']} / {run['decode_regions']}"
         if run["status"] != "ok":
             return f"{text}, {run['status']}"
-        read_as = run["read_as"]
-        if read_as not in (None, run["decode_regions"]):
-            text += f" -> {read_as}"
         if any(run.get("host_bytes_per_block", ())):
             staged = " / ".join(f"{b:,}" for b in run["host_bytes_per_block"])
             text += f" (host B/block {staged})"
@@ -137,8 +70,7 @@ def render_zoo_regions(rows: list[dict[str, Any]], _: str | None) -> list[str]:
     return [
         *markdown(header, body),
         "",
-        "`-> N`: the decoder reads its regions as N (coalesced reads). `host "
-        "B/block`: host staging bytes per block, P / D (the distinct host "
+        "`host B/block`: host staging bytes per block, P / D (the distinct host "
         "allocations behind the staging buffers; 0: the side does not stage), "
         "at the zoo's page sizes. Each "
         f"column runs in a process of its own tree (stock: v{VLLM_VERSION}).",
@@ -191,20 +123,11 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
     def side(row: dict[str, Any]) -> list[str]:
         layout = row["switches"]["layout"] or "-"
         if row["status"] != "ok":
-            return [layout, report._regions(row), f"{row['status']} (see below)"]
-        descs = report._trio(row["descs_per_read"], keys=("p50", "p95"))
-        return [layout, report._regions(row), descs]
+            return [layout, report.regions(row), f"{row['status']} (see below)"]
+        descs = report.trio(row["descs_per_read"], keys=("p50", "p95"))
+        return [layout, report.regions(row), descs]
 
-    # A series row is the exported series unless its prefix holds a patch of
-    # the project stack (never exported): such a row says so.
-    from forktools import manifest
-
-    project = {p.name for p in manifest.load_manifest().patches if p.stack == "project"}
-    patches = {
-        v["key"]: {name.split(" ", 1)[1] for name in v["patches"]}
-        for v in data["series"]["variants"]
-    }
-    body, failed, project_rows = [], [], 0
+    body, failed = [], []
     for (key, pairing), rows in groups.items():
         stock = next((r for r in rows if r["variant"] == "stock"), None)
         series = rows[-1]
@@ -214,12 +137,9 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         model = f"{s['short']} {s['label']}"
         if s["synthetic_layout"] and "SYNTHETIC" not in model:
             model += " (SYNTHETIC)"
-        if patches.get(series["variant"], set()) & project:
-            model += " (PROJECT-ONLY patch)"
-            project_rows += 1
         model += f", {pairing}" if pairing else ""
         ratio = (series.get("vs_stock") or {}).get("descs_p50")
-        ratio_cell = report._ratio(ratio, 3) if series["status"] == "ok" else "-"
+        ratio_cell = report.ratio(ratio, 3) if series["status"] == "ok" else "-"
         body.append((model, *side(stock), *side(series), ratio_cell))
         failed += [r for r in (stock, series) if r["status"] != "ok"]
     header = ("model (scenario)", "stock: layout", "stock: regions P / D",
@@ -246,18 +166,10 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         *([*notes, ""] if notes else []),
         f"Stock is vLLM {VLLM_VERSION}, series {built}, each in its own tree "
         "and process with the layout it resolves; regions P / D: what each side "
-        "registers with NIXL (`-> N`: the decoder reads them as N); descs/READ: "
-        "NIXL telemetry descCount per request's READ, over the job's replayed "
-        "block lists (n/a: stock has no figure to compare with).",
-        "",
-        (
-            f"{project_rows} series rows need a PROJECT-ONLY patch (never "
-            "exported) and say so; every other series row is the exported series."
-            if project_rows
-            else "Every series row is the exported series: no PROJECT-ONLY patch "
-            "(never exported) is built."
-        )
-        + " Rows marked SYNTHETIC run a layout that no model's spec gives.",
+        "registers with NIXL; descs/READ: NIXL telemetry descCount per "
+        "request's READ, over the job's replayed block lists (-: stock has no "
+        "figure to compare with). Rows marked SYNTHETIC run a layout that no "
+        "model's spec gives.",
     ]
 
 
@@ -591,83 +503,6 @@ def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | No
     return wrap_markdown(lines), None
 
 
-def render_lines(name: str) -> list[str]:
-    """The patch's added/removed lines per kind of file."""
-    from forktools import manifest
-
-    (patch,) = [p for p in manifest.load_manifest().patches if p.name == name]
-    counts = manifest.patch_lines(patch)
-    return [
-        "Size (new files and hunks): "
-        + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items() if a or r)
-        + "."
-    ]
-
-
-class CoverError(ValueError):
-    """A PR description that would cite what a vLLM tree cannot run."""
-
-
-def render_cover(text: str, name: str | None = None) -> str:
-    """Fill a cover template's ``<!-- lines -->``.
-
-    A PR description quotes only what runs in a vLLM tree with the patch
-    applied (a test's ``-s`` output, a snippet it shows), so a project
-    table directive in a cover is refused (``fork.py export`` refuses any
-    mention of the project's ``tools/`` in what it writes).
-
-    Raises:
-        CoverError: The template has a table directive.
-    """
-    out: list[str] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip() == LINES and name is not None:
-            out += render_lines(name)
-            continue
-        if DIRECTIVE.match(line.strip()):
-            raise CoverError(
-                f"cover {name}: line {n}: {line.strip()}: a PR description "
-                "quotes a test or snippet that runs in a vLLM tree, not a "
-                "table of this project"
-            )
-        out.append(line)
-    return "\n".join(out).rstrip("\n") + "\n"
-
-
-def write_cover_letters(
-    patches: Sequence[tuple[str, str, Path]], out_dir: Path
-) -> list[Path]:
-    """Write one cover letter per patch that has a template.
-
-    Args:
-        patches: ``(name, subject, exported .patch file)`` in series order.
-        out_dir: Directory for the ``*.md`` files (created).
-
-    Returns:
-        The files written.
-
-    Raises:
-        CoverError: A template has a project table directive.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.md"):
-        old.unlink()
-    written: list[Path] = []
-    for name, subject, patch_file in patches:
-        template = COVERS / f"{name}.md"
-        if not template.exists():
-            continue
-        body = render_cover(template.read_text(encoding="utf-8"), name)
-        head = f"# {subject}\n\nPatch: `{patch_file.name}`\n\n"
-        dest = out_dir / f"{patch_file.stem}.md"
-        dest.write_text(head + body, encoding="utf-8")
-        written.append(dest)
-    return written
-
-
-END_TABLE = "<!-- end table -->"
-
-
 def fill_pages(only: Sequence[str] | None = None) -> list[str]:
     """Re-render the table blocks of every page (``pages()``) in place.
 
@@ -678,7 +513,7 @@ def fill_pages(only: Sequence[str] | None = None) -> list[str]:
     for path in pages():
         missing += [c for c in fill_readme(path, only) if c not in missing]
         for n in long_lines(path.read_text(encoding="utf-8")):
-            print(f"cover_letters: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
+            print(f"docs_tables: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
     return missing
 
 
@@ -711,9 +546,9 @@ def fill_readme(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``cover_letters.py TABLE[:ARG]...`` prints tables as the cover letters
-    have them; ``cover_letters.py readme [TABLE...]`` re-renders the tables of
-    README.md and project-docs/*.md (all, or the named ones)."""
+    """``docs_tables TABLE[:ARG]...`` prints tables; ``docs_tables readme
+    [TABLE...]`` re-renders the tables of README.md and project-docs/*.md
+    (all, or the named ones)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -722,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tables[0] == "readme":
         missing = fill_pages(only=args.tables[1:] or None)
         for command in missing:
-            print(f"cover_letters: missing: run `{command}`")
+            print(f"docs_tables: missing: run `{command}`")
         return 1 if missing else 0
     for table in args.tables:
         name, _, arg = table.partition(":")

@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The series manifest (``series/manifest.toml``): parse, write, count lines.
 
-``forktools/fork.py`` (build, save, export, summary), ``forktools/docs_tables.py``
-(patch sizes), ``forktools/run_tests.py`` and the main job
-(``forktools/bench/nixl_main_job.py``: row labels) read the series through this
-module, which imports nothing of theirs. Stdlib only.
+Paths are read from ``forktools.paths`` when a function runs, so a test can
+point the whole fork toolchain at a scratch repository. Stdlib only.
 """
 
 from __future__ import annotations
@@ -15,26 +13,29 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forktools.paths import ROOT
+from forktools import paths
 
-MANIFEST = ROOT / "series" / "manifest.toml"
 # The release the series is built on, and every hook point of a release change.
-RELEASE_FILE = ROOT / "series" / "release.toml"
+RELEASE_FILE = paths.SERIES / "release.toml"
 RELEASE = tomllib.loads(RELEASE_FILE.read_text(encoding="utf-8"))
 VLLM_VERSION: str = RELEASE["version"]
 BASE_TAG = f"v{VLLM_VERSION}"
+MANIFEST_REL = "series/manifest.toml"
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# Upstream PR titles (and the commits' subject lines) keep to 72 characters.
+MAX_SUBJECT = 72
+KEYS = {"name", "subject", "body", "files", "diff", "stack", "parked"}
 
 # The series' stacks, in order: each a contiguous run of patches. The first
-# two are exported (``fork.py export``: one directory each); ``project``
-# patches are applied by ``fork.py build`` only.
+# two are exported (one directory each); ``project`` patches are built only.
 STACKS = {
     "fixes": "stack 1: fixes and small wins, each mergeable on its own",
     "layout": "stack 2: KV layout as a local choice (RFC)",
     "project": "project only: in the fork build, never exported",
 }
 EXPORTED_STACKS = ("fixes", "layout")
+KINDS = ("code", "docs", "tests", "ci")
 
 MANIFEST_HEADER = """\
 # vLLM NIXL patch series on top of the vLLM {version} release sdist.
@@ -74,12 +75,8 @@ class Patch:
 
 @dataclass
 class Manifest:
-    """The parsed series/manifest.toml.
-
-    ``patches`` are the ones ``fork.py build`` applies, in order; ``parked``
-    ones are kept in the manifest (and their files in the repository) but
-    neither built nor exported, each with the reason.
-    """
+    """The parsed manifest: ``patches`` are built in order; ``parked`` ones
+    are kept (with their files) but neither built nor exported."""
 
     patches: list[Patch]
     parked: list[Patch] = field(default_factory=list)
@@ -90,21 +87,22 @@ class Manifest:
         return [p for p in self.patches if p.stack in EXPORTED_STACKS]
 
 
-def _check_relpath(where: str, path: str) -> None:
+def manifest_file() -> Path:
+    return paths.ROOT / MANIFEST_REL
+
+
+def check_relpath(where: str, path: str) -> None:
     parts = Path(path).parts
     if not path or Path(path).is_absolute() or ".." in parts or "\\" in path:
         raise ForkError(f"{where}: bad repo-relative path {path!r}")
 
 
-# Upstream PR titles (and the commits' subject lines) keep to 72 characters.
-MAX_SUBJECT = 72
-
-
-def load_manifest(require_subject: bool = True) -> Manifest:
-    """Parse and validate the manifest."""
-    rel = MANIFEST.relative_to(ROOT)
+def load_manifest(require_subject: bool = True, path: Path | None = None) -> Manifest:
+    """Parse and validate the manifest (``path``: another one than the root's)."""
+    path = path or manifest_file()
+    rel = f"{path.parent.name}/{path.name}"
     try:
-        data = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ForkError(f"{rel} not found") from None
     except tomllib.TOMLDecodeError as exc:
@@ -123,106 +121,99 @@ def load_manifest(require_subject: bool = True) -> Manifest:
     patches: list[Patch] = []
     parked: list[Patch] = []
     seen: set[str] = set()
+    order = list(STACKS)
     for i, table in enumerate(raw, start=1):
         where = f"{rel}: patch {i}"
-        if not isinstance(table, dict):
-            raise ForkError(f"{where}: not a table")
-        unknown = set(table) - {
-            "name", "subject", "body", "files", "diff", "stack", "parked"
-        }  # fmt: skip
-        if unknown:
-            raise ForkError(f"{where}: unknown keys {sorted(unknown)}")
-        name = table.get("name")
-        if not isinstance(name, str) or not SLUG_RE.match(name):
-            raise ForkError(f"{where}: 'name' must be a slug like 'coalesce-regions'")
-        if name in seen:
-            raise ForkError(f"{where}: duplicate name {name!r}")
-        seen.add(name)
-        subject = table.get("subject", "")
-        body = table.get("body", "")
-        files = table.get("files", [])
-        diff = table.get("diff")
-        if not isinstance(subject, str) or "\n" in subject.strip():
-            raise ForkError(f"{where} ({name}): 'subject' must be one line")
-        if require_subject and not subject.strip():
-            raise ForkError(f"{where} ({name}): 'subject' is missing")
-        if len(subject.strip()) > MAX_SUBJECT:
-            raise ForkError(
-                f"{where} ({name}): 'subject' has {len(subject.strip())} "
-                f"characters; upstream titles keep to {MAX_SUBJECT}"
-            )
-        if not isinstance(body, str):
-            raise ForkError(f"{where} ({name}): 'body' must be a string")
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            raise ForkError(f"{where} ({name}): 'files' must be a list of paths")
-        for f in files:
-            _check_relpath(f"{where} ({name})", f)
-        if diff is not None:
-            if not isinstance(diff, str):
-                raise ForkError(f"{where} ({name}): 'diff' must be a path")
-            _check_relpath(f"{where} ({name})", diff)
-        stack = table.get("stack", "fixes")
-        if stack not in STACKS:
-            raise ForkError(f"{where} ({name}): 'stack' must be one of {list(STACKS)}")
-        parked_reason = table.get("parked", "")
-        if not isinstance(parked_reason, str):
-            raise ForkError(f"{where} ({name}): 'parked' must be a reason string")
-        patch = Patch(
-            name, subject.strip(), body.strip("\n"), list(files), diff, stack,
-            parked_reason.strip(),
-        )  # fmt: skip
+        patch = parse_patch(where, table, require_subject)
+        if patch.name in seen:
+            raise ForkError(f"{where}: duplicate name {patch.name!r}")
+        seen.add(patch.name)
         if patch.parked:
             parked.append(patch)
             continue
-        if patches and list(STACKS).index(stack) < list(STACKS).index(
-            patches[-1].stack
-        ):
+        if patches and order.index(patch.stack) < order.index(patches[-1].stack):
             raise ForkError(
-                f"{where} ({name}): stack {stack!r} after {patches[-1].stack!r}; "
-                f"stacks run in the order {list(STACKS)}"
+                f"{where} ({patch.name}): stack {patch.stack!r} after "
+                f"{patches[-1].stack!r}; stacks run in the order {order}"
             )
         patches.append(patch)
     return Manifest(patches, parked)
 
 
-def _toml_str(value: str) -> str:
+def parse_patch(where: str, table: object, require_subject: bool) -> Patch:
+    """One validated [[patch]] table."""
+    if not isinstance(table, dict):
+        raise ForkError(f"{where}: not a table")
+    if set(table) - KEYS:
+        raise ForkError(f"{where}: unknown keys {sorted(set(table) - KEYS)}")
+    name = table.get("name")
+    if not isinstance(name, str) or not SLUG_RE.match(name):
+        raise ForkError(f"{where}: 'name' must be a slug like 'ordered-transfers'")
+    where = f"{where} ({name})"
+    subject, body = table.get("subject", ""), table.get("body", "")
+    files, diff = table.get("files", []), table.get("diff")
+    if not isinstance(subject, str) or "\n" in subject.strip():
+        raise ForkError(f"{where}: 'subject' must be one line")
+    if require_subject and not subject.strip():
+        raise ForkError(f"{where}: 'subject' is missing")
+    if len(subject.strip()) > MAX_SUBJECT:
+        raise ForkError(
+            f"{where}: 'subject' has {len(subject.strip())} "
+            f"characters; upstream titles keep to {MAX_SUBJECT}"
+        )
+    if not isinstance(body, str):
+        raise ForkError(f"{where}: 'body' must be a string")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ForkError(f"{where}: 'files' must be a list of paths")
+    for f in files:
+        check_relpath(where, f)
+    if diff is not None:
+        if not isinstance(diff, str):
+            raise ForkError(f"{where}: 'diff' must be a path")
+        check_relpath(where, diff)
+    stack = table.get("stack", "fixes")
+    if stack not in STACKS:
+        raise ForkError(f"{where}: 'stack' must be one of {list(STACKS)}")
+    parked = table.get("parked", "")
+    if not isinstance(parked, str):
+        raise ForkError(f"{where}: 'parked' must be a reason string")
+    return Patch(
+        name, subject.strip(), body.strip("\n"), list(files), diff, stack,
+        parked.strip(),
+    )  # fmt: skip
+
+
+def toml_str(value: str) -> str:
     # A JSON string literal is a valid TOML basic string.
     return json.dumps(value, ensure_ascii=False)
 
 
-def _toml_body(value: str) -> str:
+def toml_body(value: str) -> str:
+    if not value:
+        return '""'
     literal_ok = "'''" not in value and not any(
         ord(c) < 32 and c not in "\t\n" for c in value
     )
-    if not value:
-        return '""'
-    if literal_ok and "\n" in value:
-        return f"'''\n{value}\n'''"
-    return _toml_str(value)
+    return f"'''\n{value}\n'''" if literal_ok and "\n" in value else toml_str(value)
 
 
-def dump_manifest(manifest: Manifest) -> str:
+def dump_manifest(manifest: Manifest, version: str = VLLM_VERSION) -> str:
     """Serialize the manifest as TOML (round-trips through load_manifest)."""
-    out = [MANIFEST_HEADER.format(version=VLLM_VERSION)]
+    out = [MANIFEST_HEADER.format(version=version)]
     for p in [*manifest.patches, *manifest.parked]:
-        out.append("\n[[patch]]\n")
-        out.append(f"name = {_toml_str(p.name)}\n")
-        out.append(f"subject = {_toml_str(p.subject)}\n")
-        out.append(f"body = {_toml_body(p.body)}\n")
-        if p.files:
-            items = "".join(f"    {_toml_str(f)},\n" for f in p.files)
-            out.append(f"files = [\n{items}]\n")
-        else:
-            out.append("files = []\n")
+        out.append(f"\n[[patch]]\nname = {toml_str(p.name)}\n")
+        out.append(f"subject = {toml_str(p.subject)}\nbody = {toml_body(p.body)}\n")
+        items = "".join(f"    {toml_str(f)},\n" for f in p.files)
+        out.append(f"files = [\n{items}]\n" if p.files else "files = []\n")
         if p.diff:
-            out.append(f"diff = {_toml_str(p.diff)}\n")
-        out.append(f"stack = {_toml_str(p.stack)}\n")
+            out.append(f"diff = {toml_str(p.diff)}\n")
+        out.append(f"stack = {toml_str(p.stack)}\n")
         if p.parked:
-            out.append(f"parked = {_toml_str(p.parked)}\n")
+            out.append(f"parked = {toml_str(p.parked)}\n")
     return "".join(out)
 
 
-def _kind(path: str) -> str:
+def file_kind(path: str) -> str:
     """What a file of the series is, for the summary's line counts."""
     if path.startswith("tests/"):
         return "tests"
@@ -233,17 +224,15 @@ def _kind(path: str) -> str:
     return "code"
 
 
-KINDS = ("code", "docs", "tests", "ci")
-
-
-def _diff_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
+def diff_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
     """(added, removed) lines per file of the patch's diff (``nonblank``:
     lines with more than whitespace only)."""
     counts: dict[str, tuple[int, int]] = {}
-    if not (patch.diff and (ROOT / patch.diff).is_file()):
+    diff = paths.ROOT / patch.diff if patch.diff else None
+    if diff is None or not diff.is_file():
         return counts
     path = ""
-    for line in (ROOT / patch.diff).read_text(encoding="utf-8").splitlines():
+    for line in diff.read_text(encoding="utf-8").splitlines():
         if line.startswith("diff --git "):
             path = line.split(" b/", 1)[1]
             counts.setdefault(path, (0, 0))
@@ -257,8 +246,7 @@ def _diff_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, in
 
 
 def patch_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, int]]:
-    """(added, removed) lines per kind: its new files and its diff
-    (``nonblank``: lines with more than whitespace only).
+    """(added, removed) lines per kind: its new files and its diff.
 
     A new file's root copy is its final version: the lines later patches'
     diffs add to it (net) are theirs, not the adding patch's.
@@ -266,17 +254,17 @@ def patch_lines(patch: Patch, nonblank: bool = False) -> dict[str, tuple[int, in
     counts = dict.fromkeys(KINDS, (0, 0))
 
     def add(path: str, plus: int, minus: int) -> None:
-        old = counts[_kind(path)]
-        counts[_kind(path)] = (old[0] + plus, old[1] + minus)
+        old = counts[file_kind(path)]
+        counts[file_kind(path)] = (old[0] + plus, old[1] + minus)
 
     patches = load_manifest(require_subject=False).patches
     later = patches[[p.name for p in patches].index(patch.name) + 1 :]
-    later_diffs = [_diff_lines(p, nonblank) for p in later]
+    later_diffs = [diff_lines(p, nonblank) for p in later]
     for path in patch.files:
-        text = (ROOT / path).read_text(encoding="utf-8", errors="replace")
+        text = (paths.ROOT / path).read_text(encoding="utf-8", errors="replace")
         lines = [ln for ln in text.splitlines() if ln.strip() or not nonblank]
         grown = sum(d[path][0] - d[path][1] for d in later_diffs if path in d)
         add(path, len(lines) - grown, 0)
-    for path, (plus, minus) in _diff_lines(patch, nonblank).items():
+    for path, (plus, minus) in diff_lines(patch, nonblank).items():
         add(path, plus, minus)
     return counts

@@ -2,23 +2,17 @@
 """One real vLLM engine in its own process, driven by JSON lines.
 
 Run as ``python -m checks.e2e.engine`` with ``PYTHONPATH=<tree>:<repo>``: the
-tree (the stock release or the fork, with the CPU extension ``vllm/_C*.so`` in it)
-is the vLLM that runs. The parent (``checks/e2e/driver.py``) writes one JSON
-command per line on stdin and reads one JSON reply per line; vLLM's own output
-goes to stderr (the parent's log), so stdout carries replies only.
+tree (the stock release or the fork, with the CPU extension ``vllm/_C*.so`` in
+it) is the vLLM that runs. The parent (``checks/e2e/client.py``) writes one
+JSON command per line on stdin and reads one JSON reply per line; vLLM's own
+output goes to stderr (the parent's log), so stdout carries replies only.
 
-Commands:
-
-* ``{"op": "start", ...}``: build the ``LLM`` (fields of :func:`start`).
-* ``{"op": "generate", "prompts": [[ids]], "max_tokens": n,
-  "kv_params": [dict | null] | null}``: greedy generation, one request per
-  prompt. A prompt's ``kv_params`` go to ``SamplingParams.extra_args`` as
-  ``kv_transfer_params``. Reply: per prompt its tokens, finish reason and
-  returned ``kv_transfer_params``, plus the NIXL READs completed meanwhile,
-  each with its descriptor count from NIXL's telemetry (``descCount``, as
-  vLLM's own ``NixlKVConnectorStats`` records it).
-* ``{"op": "reset"}``: drop the prefix cache (``LLM.reset_prefix_cache``).
-* ``{"op": "exit"}``.
+Commands (``op``): ``start`` builds the ``LLM`` (fields of :func:`start`);
+``generate`` runs greedy generation, one request per prompt, a prompt's
+``kv_params`` going to ``SamplingParams.extra_args`` as
+``kv_transfer_params`` (reply: per prompt its tokens, finish reason, logprobs
+and returned ``kv_transfer_params``, plus the NIXL READs completed meanwhile);
+``reset`` drops the prefix cache; ``exit``.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so the worker's NIXL stats are observable here without changing vLLM.
@@ -33,56 +27,21 @@ import time
 import traceback
 from typing import Any
 
+from checks.e2e.common import KV_ROLES, record_reads
+
 # Replies go to the real stdout; everything else (vLLM's logging, prints) to
 # stderr, so a log line can never be read as a reply.
 _REPLIES = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
 os.dup2(2, 1)
 
-# The connector's role per engine role.
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-# Every READ's telemetry, as the worker records it.
-READS: list[dict[str, float]] = []
+READS: list[dict[str, Any]] = []
 
 
-def _record_reads() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
-
-    original = stats.NixlKVConnectorStats.record_transfer
-
-    def record_transfer(self, res):  # type: ignore[no-untyped-def]
-        if res is not None:
-            READS.append(
-                {
-                    "descriptors": int(res.descCount),
-                    "bytes": int(res.totalBytes),
-                    "post_ms": res.postDuration / 1e3,
-                    "transfer_ms": res.xferDuration / 1e3,
-                }
-            )
-        return original(self, res)
-
-    stats.NixlKVConnectorStats.record_transfer = record_transfer
-
-
-def start(
-    model: str,
-    role: str,
-    policy: str = "fail",
-    compat: bool = True,
-    block_size: int | None = None,
-    max_model_len: int = 2048,
-    prefix_caching: bool = True,
-    num_blocks: int | None = None,
-    attention_backend: str | None = None,
-) -> Any:
+def start(model: str, role: str, policy: str = "fail", block_size: int | None = None,
+          max_model_len: int = 2048, num_blocks: int | None = None,
+          attention_backend: str | None = None) -> Any:  # fmt: skip
     """Build the engine. ``role`` "single" has no connector; "prefill" and
-    "decode" are NIXL's producer and consumer (from 0.34.0 NixlConnector
-    deprecates ``kv_both``).
-
-    ``attention_backend`` pins the backend: on a CPU with AMX the platform
-    would pick AMX_MLA for an MLA model, which takes bfloat16 weights only.
-    """
+    "decode" are NIXL's producer and consumer."""
     from vllm.config import KVTransferConfig
 
     from vllm import LLM
@@ -94,12 +53,14 @@ def start(
             kv_role=KV_ROLES[role],
             kv_buffer_device="cpu",
             kv_load_failure_policy=policy,
-            kv_connector_extra_config={"enforce_handshake_compat": compat},
+            kv_connector_extra_config={"enforce_handshake_compat": True},
         )
-        _record_reads()
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+        record_reads(stats.NixlKVConnectorStats, READS.append)
     if block_size is not None:
         kwargs["block_size"] = block_size
-    if num_blocks is not None:  # a small pool: freed blocks come back soon
+    if num_blocks is not None:
         kwargs["num_gpu_blocks_override"] = num_blocks
     if attention_backend:
         kwargs["attention_backend"] = attention_backend
@@ -111,7 +72,7 @@ def start(
         seed=0,
         max_model_len=max_model_len,
         max_num_seqs=8,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=True,
         **kwargs,
     )
 
@@ -127,23 +88,19 @@ def generate(
 
     from vllm import SamplingParams
 
-    params = []
-    for i in range(len(prompts)):
-        extra = None
-        if kv_params is not None and kv_params[i] is not None:
-            extra = {"kv_transfer_params": kv_params[i]}
-        params.append(
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=max_tokens,
-                ignore_eos=True,
-                detokenize=False,
-                logprobs=logprobs,
-                extra_args=extra,
-            )
+    kv_params = kv_params or [None] * len(prompts)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            logprobs=logprobs,
+            extra_args=None if kv is None else {"kv_transfer_params": kv},
         )
+        for kv in kv_params
+    ]
     first = len(READS)
-    begin = time.monotonic()
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
@@ -161,7 +118,6 @@ def generate(
             for out in outputs
         ],
         "reads": READS[first:],
-        "seconds": time.monotonic() - begin,
     }
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny random-weight models for the end-to-end engine check, made locally.
+"""Tiny random-weight models for the engine suites, made locally.
 
 No hub: each model is built from its ``transformers`` config with seeded
 random weights and saved (fp32 safetensors, config, generation config) under
@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forktools.paths import ROOT
+from forktools.paths import BUILD
 
-MODELS_DIR = ROOT / "build" / "e2e" / "models"
+MODELS_DIR = BUILD / "e2e" / "models"
+MAX_MODEL_LEN = 2048
+# A pool a little larger than one request of max_model_len per KV cache group,
+# so that blocks freed by earlier requests are handed out again, as in a busy
+# server: with a pool of thousands, every request would get fresh blocks.
+SPARE_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -47,32 +52,29 @@ class TinyModel:
         blob = json.dumps([self.config_class, self.config], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_groups * MAX_MODEL_LEN // self.block_size + SPARE_BLOCKS
 
-COMMON = {
+
+SMALL = {
     "vocab_size": 512,
     "max_position_embeddings": 2048,
     "torch_dtype": "float32",
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
 }
+LLAMA_CONFIG = dict(SMALL, num_key_value_heads=2, head_dim=32)
 
 LLAMA = TinyModel(
-    name="llama-gqa",
-    config_class="LlamaConfig",
-    model_class="LlamaForCausalLM",
-    config=dict(
-        COMMON,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    ),
-    backend="CPU_ATTN",
-    block_size=32,
-)
+    "llama-gqa", "LlamaConfig", "LlamaForCausalLM", LLAMA_CONFIG,
+    backend="CPU_ATTN", block_size=32,
+)  # fmt: skip
 
 # A hybrid of full and sliding-window attention (Gemma-3 / gpt-oss style):
 # vLLM's Llama reads ``layer_types`` and ``sliding_window`` from the config
@@ -80,56 +82,32 @@ LLAMA = TinyModel(
 # planner makes two KV cache groups, and the decoder reads the sliding
 # window's blocks only.
 LLAMA_HYBRID = TinyModel(
-    name="llama-swa-hybrid",
-    config_class="LlamaConfig",
-    model_class="LlamaForCausalLM",
-    config=dict(
-        LLAMA.config,
-        layer_types=["full_attention", "sliding_attention"],
-        sliding_window=64,
-    ),
-    backend="CPU_ATTN",
-    block_size=32,
-    kv_groups=2,
-)
+    "llama-swa-hybrid", "LlamaConfig", "LlamaForCausalLM",
+    dict(LLAMA_CONFIG, layer_types=["full_attention", "sliding_attention"],
+         sliding_window=64),
+    backend="CPU_ATTN", block_size=32, kv_groups=2,
+)  # fmt: skip
 
 # DeepSeek-V2 MLA: kv_lora_rank 512 + rope 64 = the 576-wide latent CPU_MLA
 # takes; first_k_dense_replace >= layers keeps every layer dense (no MoE).
+DEEPSEEK_CONFIG = dict(
+    SMALL, moe_intermediate_size=64, num_key_value_heads=4, kv_lora_rank=512,
+    q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=2, rope_scaling=None,
+)  # fmt: skip
 DEEPSEEK_V2 = TinyModel(
-    name="deepseek-v2-mla",
-    config_class="DeepseekV2Config",
-    model_class="DeepseekV2ForCausalLM",
-    config=dict(
-        COMMON,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=2,
-        rope_scaling=None,
-    ),
-    backend="CPU_MLA",
+    "deepseek-v2-mla", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+    DEEPSEEK_CONFIG, backend="CPU_MLA",
     # Stock CPU_MLA (0.33.0, 0.34.0) computes one context's next-token logits
     # differently in its prefill path (SDPA) and its decode path
     # (mla_decode_kvcache), by tenths of a nat, in one engine without any
     # connector. A P/D decoder takes the decode path for the first token the
     # single engine takes from the prefill path, so greedy tokens part ways.
     oracle="stock-pd",
-    oracle_reason=(
-        "stock CPU_MLA: prefill and decode paths give different logits for "
-        "one context (single engine, no connector)"
-    ),
-)
+    oracle_reason="stock CPU_MLA: prefill and decode paths give different "
+    "logits for one context (single engine, no connector)",
+)  # fmt: skip
 
 MODELS = (LLAMA, DEEPSEEK_V2, LLAMA_HYBRID)
 

@@ -63,26 +63,24 @@ def model_rows(data: dict[str, Any]) -> list[str]:
     )  # fmt: skip
 
 
+def _outcome(case: dict[str, Any]) -> str:
+    if case["outcome"] != "returned":
+        return "HANG/ERROR"
+    if case["finish_reason"] == "error":
+        what = "error"
+    else:
+        what = "oracle tokens" if case["oracle_equal"] else "OTHER TOKENS"
+    return f"{what} ({case['seconds']:.0f} s)"
+
+
 def fault_rows(data: dict[str, Any]) -> list[str]:
     """Per fault case: what the client got under each policy."""
-
-    def outcome(case: dict[str, Any]) -> str:
-        if case["outcome"] != "returned":
-            return "HANG/ERROR"
-        if case["finish_reason"] == "error":
-            return f"error ({case['seconds']:.0f} s)"
-        return ("oracle tokens" if case["oracle_equal"] else "OTHER TOKENS") + (
-            f" ({case['seconds']:.0f} s)"
-        )
-
     cells: dict[tuple[str, str, str], dict[str, str]] = {}
     for case in data["faults"]:
         key = (case["model"], case["tree"], case["case"])
-        cells.setdefault(key, {})[case["policy"]] = outcome(case)
-    rows = [
-        [*key, by.get("fail", "-"), by.get("recompute", "-")]
-        for key, by in cells.items()
-    ]
+        cells.setdefault(key, {})[case["policy"]] = _outcome(case)
+    rows = [[*key, by.get("fail", "-"), by.get("recompute", "-")]
+            for key, by in cells.items()]  # fmt: skip
     return markdown(
         ["model", "tree", "prefill engine", "policy fail", "policy recompute"], rows
     )
@@ -118,9 +116,8 @@ def render(data: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    data = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    print("\n".join(render(data)))
+    path = Path((sys.argv[1:] if argv is None else argv)[0])
+    print("\n".join(render(json.loads(path.read_text(encoding="utf-8")))))
     return 0
 
 

@@ -1,36 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 """Real vLLM engines end to end on CPU: P/D over NIXL gives the oracle's tokens.
 
-Runs ``checks/e2e/driver.py`` once per model of ``E2E_MODELS`` (engines of the
-stock release and of the fork, each in its own process) and asserts on what
-it returns:
+Runs ``checks/e2e/driver.py`` per model of ``E2E_MODELS`` and asserts that
+every pairing (stock/series P x stock/series D) decodes every prompt to the
+oracle's tokens with a NIXL READ each (the oracle: the single engine, or
+stock P + stock D where the consistency probe still shows why); that the
+negative control changes the tokens; that the fork's pair moves the same
+bytes in no more descriptors; and that the hybrid's series prefill engine
+killed before and during the READ ends by policy (``fail``: the client sees
+``finish_reason="error"``; ``recompute``: the oracle's tokens), no hang. The
+hybrid's several KV cache groups are what a failed READ handles apart (one
+group: the served suite's Llama faults); ``tools/main.sh`` runs the faults
+on both trees and every model.
 
-* every pairing (stock/series P x stock/series D) decodes every prompt to the
-  oracle's greedy tokens, with at least one NIXL READ per prompt; the oracle
-  is the single engine, or stock P + stock D where the model says why not
-  (and the consistency probe still shows that reason);
-* a negative control (the decoder pointed at another prompt's blocks) changes
-  the tokens, so the KV really came over NIXL;
-* the fork's pair moves the same bytes as stock's in no more descriptors;
-* the hybrid's series prefill engine killed before and during the READ:
-  under ``kv_load_failure_policy=fail`` the client sees
-  ``finish_reason="error"``, under ``recompute`` it gets the oracle's tokens;
-  nothing hangs. The hybrid's several KV cache groups are what a failed READ
-  handles apart (one group: the served suite's Llama faults). Stock's
-  engines, and the other models, meet the same faults in ``tools/main.sh``'s
-  engine part, whose table shows both trees.
-
-The tiny Llama (``llama-gqa``) is not run here: the served suite
-(``checks/served``) runs its four pairings, the negative control, the
-descriptor comparison and the prefiller killed before and during the READ
-under both policies on ``vllm serve`` servers, as users run P/D, and an
-engine run of the same cases would only repeat them (at ~13 engine starts
-per model, a third of this suite's time). The MLA model and the hybrid stay:
-the served suite runs them stock + stock and series + series only, without
-their mixed pairs and faults.
-
-The results go to ``build/e2e/e2e.json`` (``E2E_JSON``); ``python -m
-checks.e2e.driver --render PATH`` prints them as a table.
+The tiny Llama is not run here: the served suite (``checks/served``) runs all
+of its cases on ``vllm serve`` servers, as users run P/D, and an engine run
+would only repeat them (~13 engine starts, a third of this suite's time).
+The served suite runs the MLA model and the hybrid without mixed pairs and
+faults, so they stay. Results: ``build/e2e/e2e.json`` (``E2E_JSON``;
+``python -m checks.e2e.report PATH`` prints them).
 """
 
 from __future__ import annotations
@@ -44,17 +32,17 @@ from typing import Any
 import pytest
 
 from checks.e2e import driver
+from checks.e2e.common import TREES
 from checks.e2e.models import DEEPSEEK_V2, LLAMA_HYBRID
+from forktools.paths import BUILD
 
 # The models whose cases the served suite does not run (module docstring).
 E2E_MODELS = (DEEPSEEK_V2, LLAMA_HYBRID)
-
-TREES = tuple(driver.TREES)
 # The model and tree whose engines the fault cases kill (module docstring).
 FAULT_MODELS = {LLAMA_HYBRID.name}
 FAULT_TREE = "series"
 PAIRINGS = [(p, d) for p in TREES for d in TREES]
-OUT = Path(os.environ.get("E2E_JSON", driver.ROOT / "build" / "e2e" / "e2e.json"))
+OUT = Path(os.environ.get("E2E_JSON", BUILD / "e2e" / "e2e.json"))
 # A consistent engine's two paths agree to float32 rounding.
 CONSISTENT = 1e-3
 
@@ -66,10 +54,10 @@ def run(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The model's pairings, then (``FAULT_MODELS``) its fault cases."""
     model = request.param
     begin = time.monotonic()
-    res = driver.run_model(model, dict(driver.TREES))
+    res = driver.run_model(model, dict(TREES))
     oracle = res["oracle_tokens"]["long"]
     res["faults"] = (
-        driver.run_faults(model, FAULT_TREE, driver.TREES[FAULT_TREE], oracle)
+        driver.run_faults(model, FAULT_TREE, TREES[FAULT_TREE], oracle)
         if model.name in FAULT_MODELS
         else []
     )

@@ -14,14 +14,9 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checks.e2e.models import TinyModel
+from checks.e2e.common import KV_ROLES
+from checks.e2e.models import LLAMA, MAX_MODEL_LEN, TinyModel
 
-# NIXL's role per P/D side (0.34.0 logs that ``kv_both`` is deprecated).
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-MAX_MODEL_LEN = 2048
-# A pool a little larger than one request of max_model_len, per KV cache
-# group (as checks/e2e does): freed blocks are handed out again soon.
-SPARE_BLOCKS = 16
 # What the pool is carved from. Without an explicit size, 0.34.0 on CPU
 # reserves a share of the node's RAM per server and refuses to start when
 # another server already holds it.
@@ -41,19 +36,13 @@ class Command:
     def shell(self) -> str:
         """The command as one shell line per flag (README's form)."""
         env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-        head = [" ".join(env[i : i + 3]) for i in range(0, len(env), 3)]
-        first = next(
-            (i for i, w in enumerate(self.argv) if w.startswith("--")), len(self.argv)
-        )
-        words = [" ".join(_quote(w) for w in self.argv[:first])]
-        rest = self.argv[first:]
-        for w in rest:
+        lines = [" ".join(env[i : i + 3]) for i in range(0, len(env), 3)]
+        lines.append(_quote(self.argv[0]))
+        for w in self.argv[1:]:
             if w.startswith("--"):
-                words.append(w)
+                lines.append(w)
             else:
-                words[-1] += " " + _quote(w)
-        argv_lines = words
-        lines = head + argv_lines
+                lines[-1] += " " + _quote(w)
         return " \\\n  ".join(lines)
 
 
@@ -76,21 +65,9 @@ def kv_transfer_config(role: str, policy: str | None = None) -> str:
     return json.dumps(config, separators=(",", ":"))
 
 
-def num_blocks(model: TinyModel) -> int:
-    return model.kv_groups * MAX_MODEL_LEN // model.block_size + SPARE_BLOCKS
-
-
-def serve(
-    model: TinyModel,
-    model_path: str,
-    role: str,
-    tree: str,
-    port: int | str,
-    side_channel_port: int | str,
-    site: str = SITE,
-    python: str = PYTHON,
-    policy: str | None = None,
-) -> Command:
+def serve(model: TinyModel, model_path: str, role: str, tree: str,
+          port: int | str, side_channel_port: int | str, site: str = SITE,
+          python: str = PYTHON, policy: str | None = None) -> Command:  # fmt: skip
     """``vllm serve`` for one side of a P/D pair, on the CPU platform.
 
     ``tree`` is the vLLM that runs (``build/vllm``: the series;
@@ -121,19 +98,14 @@ def serve(
         "--attention-backend", model.backend,
         "--block-size", str(model.block_size),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--num-gpu-blocks-override", str(num_blocks(model)),
+        "--num-gpu-blocks-override", str(model.num_blocks),
         "--kv-transfer-config", kv_transfer_config(role, policy),
     ]  # fmt: skip
     return Command(env, argv)
 
 
-def proxy(
-    port: int | str,
-    prefill_port: int | str,
-    decode_port: int | str,
-    tree: str = "build/vllm",
-    python: str = PYTHON,
-) -> Command:
+def proxy(port: int | str, prefill_port: int | str, decode_port: int | str,
+          tree: str = "build/vllm", python: str = PYTHON) -> Command:  # fmt: skip
     """vLLM's toy proxy (a test proxy) in front of one prefiller and one decoder."""
     argv = [
         python, f"{tree}/{TOY_PROXY}",
@@ -171,38 +143,24 @@ README_PORTS = {"prefill": (8100, 5600), "decode": (8200, 5601), "proxy": 8000}
 
 def readme_block() -> str:
     """README's CPU commands: a series P, a series D, the toy proxy, a request."""
-    from checks.e2e.models import LLAMA
-
-    lines = [
+    ports = README_PORTS
+    p, d = (serve(LLAMA, "$MODEL", role, "build/vllm", *ports[role]).shell()
+            for role in ("prefill", "decode"))  # fmt: skip
+    toy = proxy(ports["proxy"], ports["prefill"][0], ports["decode"][0]).shell()
+    return "\n".join([
         "MODEL=$(.venv/bin/python -m checks.e2e.models | grep llama-gqa)",
-        "",
-        "# prefiller (P)",
-        serve(
-            LLAMA, "$MODEL", "prefill", "build/vllm", *README_PORTS["prefill"]
-        ).shell()
-        + " &",  # fmt: skip
-        "",
-        "# decoder (D)",
-        serve(LLAMA, "$MODEL", "decode", "build/vllm", *README_PORTS["decode"]).shell()
-        + " &",  # fmt: skip
-        "",
-        "# the toy proxy (a test proxy): P first, then D",
-        proxy(
-            README_PORTS["proxy"], README_PORTS["prefill"][0], README_PORTS["decode"][0]
-        ).shell()
-        + " &",  # fmt: skip
-        "",
-        "# a client: token-id prompt, greedy",
-        f"curl -s 127.0.0.1:{README_PORTS['proxy']}/v1/completions "
+        "", "# prefiller (P)", p + " &",
+        "", "# decoder (D)", d + " &",
+        "", "# the toy proxy (a test proxy): P first, then D", toy + " &",
+        "", "# a client: token-id prompt, greedy",
+        f"curl -s 127.0.0.1:{ports['proxy']}/v1/completions "
         "-H 'Content-Type: application/json' \\",
         '  -d \'{"model": "\'"$MODEL"\'", "prompt": [5, 6, 7, 8, 9, 10], '
         '"max_tokens": 8, "temperature": 0, "ignore_eos": true, '
         '"return_token_ids": true}\'',
-        "",
-        "# the decoder's NIXL metrics",
-        f"curl -s 127.0.0.1:{README_PORTS['decode'][0]}/metrics | grep '^vllm:nixl_'",
-    ]
-    return "\n".join(lines)
+        "", "# the decoder's NIXL metrics",
+        f"curl -s 127.0.0.1:{ports['decode'][0]}/metrics | grep '^vllm:nixl_'",
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

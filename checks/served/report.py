@@ -24,48 +24,38 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from forktools.paths import ROOT
+from forktools.paths import BUILD, DOCS
 from forktools.tables import markdown, num
 
-RUN_JSON = ROOT / "build" / "served" / "served.json"
-DOCS = ROOT / "project-docs"
+RUN_JSON = BUILD / "served" / "served.json"
 PAGE = DOCS / "served.md"
 DATA = DOCS / "served.json"
 PLOT = DOCS / "served.png"
+SAME_TREE = ("stock -> stock", "series -> series")
 
 
 def page_data(run: dict[str, Any]) -> dict[str, Any]:
     """What the page shows, from a suite result: one row per READ."""
-    reads = []
-    pairings = []
+    reads, pairings = [], []
     for model in run["models"]:
         for pairing in model["pairings"]:
             pair = f"{pairing['prefill']} -> {pairing['decode']}"
-            for prompt, case in pairing["prompts"].items():
-                for read in case["reads"]:
-                    reads.append(
-                        {
-                            "model": model["model"],
-                            "pair": pair,
-                            "prompt": prompt,
-                            "prompt_tokens": case["prompt_tokens"],
-                            "descriptors": read["descriptors"],
-                            "post_ms": round(read["post_ms"], 3),
-                            "transfer_ms": round(read["transfer_ms"], 3),
-                            "kib": round(read["bytes"] / 1024, 1),
-                        }
-                    )
+            reads += [
+                dict(model=model["model"], pair=pair, prompt=prompt,
+                     prompt_tokens=case["prompt_tokens"],
+                     descriptors=read["descriptors"],
+                     post_ms=round(read["post_ms"], 3),
+                     transfer_ms=round(read["transfer_ms"], 3),
+                     kib=round(read["bytes"] / 1024, 1))
+                for prompt, case in pairing["prompts"].items()
+                for read in case["reads"]
+            ]  # fmt: skip
             pairings.append(
-                {
-                    "model": model["model"],
-                    "pair": pair,
-                    "oracle": model["oracle"],
-                    "equal": sum(c["equal"] for c in pairing["prompts"].values()),
-                    "requests": pairing["requests"],
-                    "metrics_reads": pairing["metrics_reads"],
-                    "metrics_descriptors": pairing["metrics_descriptors"],
-                }
-            )
+                dict(model=model["model"], pair=pair, oracle=model["oracle"],
+                     equal=sum(c["equal"] for c in pairing["prompts"].values()))
+                | {k: pairing[k] for k in
+                   ("requests", "metrics_reads", "metrics_descriptors")}
+            )  # fmt: skip
     faults = [
         {k: f.get(k) for k in ("case", "prefill", "decode", "expected", "ok")}
         | {"seen": f["seen"]["kind"], "status": f["seen"].get("status")}
@@ -106,8 +96,7 @@ last run's data (`project-docs/served.json`), not typed by hand.
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = [INTRO]
-    lines += ["## Pairings", ""]
+    lines = [INTRO, "## Pairings", ""]
     lines += markdown(
         ["model", "P -> D", "oracle", "tokens = oracle", "P/D requests",
          "READs on D's /metrics", "descriptors on D's /metrics"],
@@ -125,14 +114,14 @@ def render(data: dict[str, Any]) -> str:
     )  # fmt: skip
     lines += ["", "![descriptors and post time per READ](served.png)", ""]
     summary = []
-    for model in sorted({r["model"] for r in data["reads"]}, key=_model_order(data)):
-        for pair in ("stock -> stock", "series -> series"):
+    for model in _models(data):
+        for pair in SAME_TREE:
             rows = [
                 r for r in data["reads"] if (r["model"], r["pair"]) == (model, pair)
             ]
+            descs = [r["descriptors"] for r in rows]
+            posts = [r["post_ms"] for r in rows]
             if rows:
-                descs = [r["descriptors"] for r in rows]
-                posts = [r["post_ms"] for r in rows]
                 summary.append([model, pair, num(statistics.median(descs), 3),
                                 max(descs), sum(descs),
                                 num(statistics.median(posts), 3)])  # fmt: skip
@@ -141,12 +130,11 @@ def render(data: dict[str, Any]) -> str:
         ["model", "P -> D", "descriptors per READ p50", "max", "total", "post ms p50"],
         summary,
     )
-    lines += ["", "## Faults", ""]
     lines += [
-        "Each case's client-visible outcome was written down (`suite.FAULTS`) "
-        "before the run checked it; the client's wait is bounded.",
-        "",
-    ]
+        "", "## Faults", "",
+        "Each case's client-visible outcome was written down (`faults.FAULTS`) "
+        "before the run checked it; the client's wait is bounded.", "",
+    ]  # fmt: skip
     for f in data["faults"]:
         seen = f["seen"] + (f" ({f['status']})" if f["status"] else "")
         verdict = "as written" if f["ok"] else "**not as written**"
@@ -173,9 +161,9 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _model_order(data: dict[str, Any]) -> Any:
-    order = list(dict.fromkeys(r["model"] for r in data["reads"]))
-    return order.index
+def _models(data: dict[str, Any]) -> list[str]:
+    """The models in the order of their first READ."""
+    return list(dict.fromkeys(r["model"] for r in data["reads"]))
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -184,25 +172,19 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in data["reads"]))
+    models = _models(data)
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.4))
-    pairs = ("stock -> stock", "series -> series")
+    panels = (("descriptors", "descriptors per READ"), ("post_ms", "post time (ms)"))
+    width = 0.38
     for col, model in enumerate(models):
-        prompts = list(
-            dict.fromkeys(r["prompt"] for r in data["reads"] if r["model"] == model)
-        )
-        for row, (key, label) in enumerate(
-            (("descriptors", "descriptors per READ"), ("post_ms", "post time (ms)"))
-        ):
+        reads = [r for r in data["reads"] if r["model"] == model]
+        prompts = list(dict.fromkeys(r["prompt"] for r in reads))
+        for row, (key, label) in enumerate(panels):
             ax = axes[row][col]
-            width = 0.38
-            for k, pair in enumerate(pairs):
-                values = []
-                for prompt in prompts:
-                    got = [r[key] for r in data["reads"]
-                           if (r["model"], r["pair"], r["prompt"])
-                           == (model, pair, prompt)]  # fmt: skip
-                    values.append(sum(got))
+            for k, pair in enumerate(SAME_TREE):
+                values = [sum(r[key] for r in reads
+                              if (r["pair"], r["prompt"]) == (pair, prompt))
+                          for prompt in prompts]  # fmt: skip
                 xs = [i + (k - 0.5) * width for i in range(len(prompts))]
                 ax.bar(xs, values, width, label=pair.split(" ")[0])
             ax.set_xticks(range(len(prompts)), prompts, fontsize=8)

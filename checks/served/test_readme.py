@@ -12,8 +12,9 @@ import shlex
 
 from checks.e2e.models import LLAMA
 from checks.served import commands, report
+from forktools.paths import ROOT
 
-README = report.ROOT / "README.md"
+README = ROOT / "README.md"
 SECTION = "## Run P/D with the series"
 SUBSECTION = "### On CPU, as the test command runs it"
 

@@ -1,27 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """P/D served as users run it: ``vllm serve`` x 2, the toy proxy, HTTP.
 
-Runs ``checks/served/suite.py`` once (servers of the stock release and of the
-series, each in its own process group) and asserts on what it returns:
-
-* every pairing's completions through the proxy equal the model's oracle
-  (the e2e suite's rule: the single engine, or stock P + stock D for MLA);
-* the decoder's ``/metrics`` counts one NIXL transfer per P/D request, and
-  the per-READ log saw the same READs;
-* the series' ``vllm:nixl_num_descriptors`` sum is no more than stock's on
-  the same requests;
-* a mixed pair (stock P + series D and the reverse) serves the oracle;
-* a decoder pointed at another prompt's blocks gives other tokens;
-* the faults end as written down before the run (``suite.FAULTS``): the
-  prefiller killed before and during the decoder's READ under both
-  ``kv_load_failure_policy`` values, the decoder killed.
-
-A reduced run (``SERVED_ONLY``: the mutations suite's served break) skips
-what it does not run: the negative control, the faults, the descriptor
-comparison without both same-tree pairs.
-
-Results: ``build/served/served.json``; ``python -m checks.served.report``
-renders the page ``project-docs/served.md`` from it.
+Runs ``checks/served/suite.py`` once and asserts that every pairing's
+completions through the proxy (mixed pairs included) equal the model's
+oracle; that the decoder's ``/metrics`` counts one NIXL transfer per P/D
+request, as the per-READ log does; that the series posts no more
+descriptors than stock on the same requests; that a decoder pointed at
+another prompt's blocks gives other tokens; and that the faults end as
+written down before the run (``faults.FAULTS``). A reduced run
+(``SERVED_ONLY``) skips what it does not run. Results:
+``build/served/served.json``, which ``python -m checks.served.report``
+renders into ``project-docs/served.md``.
 """
 
 from __future__ import annotations
@@ -33,22 +22,21 @@ from typing import Any
 
 import pytest
 
-from checks.served import suite
+from checks.e2e.common import TREES, missing_cpu_ext
+from checks.served import commands, suite
+from checks.served.faults import FAULTS
+from checks.served.serving import OUT_DIR
 
-OUT = suite.OUT_DIR / "served.json"
+OUT = OUT_DIR / "served.json"
 SERVING_MODULES = ("uvicorn", "httpx", "fastapi", "prometheus_fastapi_instrumentator")
 
 
 def _missing() -> list[str]:
     """The hard prerequisites that are absent (the suite skips, naming them)."""
     missing = [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
-    for name, tree in suite.TREES.items():
-        if not list((tree / "vllm").glob("_C*.so")):
-            missing.append(f"{name} tree's CPU extension ({tree}/vllm/_C*.so)")
-    proxy = suite.TREES["series"] / suite.commands.TOY_PROXY
-    if not proxy.exists():
-        missing.append(str(proxy))
-    return missing
+    missing += [f"the CPU extension {tree}/vllm/_C*.so" for tree in missing_cpu_ext()]
+    proxy = TREES["series"] / commands.TOY_PROXY
+    return missing + ([] if proxy.exists() else [str(proxy)])
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +51,9 @@ def run() -> dict[str, Any]:
 
 
 CASES = [(m.name, p, d) for m, pairs in suite.PLAN for p, d in pairs]
+by_case = pytest.mark.parametrize(
+    "model,p,d", CASES, ids=[f"{m}-{p}P-{d}D" for m, p, d in CASES]
+)
 
 
 def _pairing(run: dict[str, Any], model: str, p: str, d: str) -> dict[str, Any]:
@@ -70,18 +61,14 @@ def _pairing(run: dict[str, Any], model: str, p: str, d: str) -> dict[str, Any]:
     return next(x for x in res["pairings"] if (x["prefill"], x["decode"]) == (p, d))
 
 
-@pytest.mark.parametrize(
-    "model,p,d", CASES, ids=[f"{m}-{p}P-{d}D" for m, p, d in CASES]
-)
+@by_case
 def test_completions_equal_oracle(run: dict[str, Any], model: str, p: str, d: str):
     pairing = _pairing(run, model, p, d)
     wrong = {n: c["tokens"] for n, c in pairing["prompts"].items() if not c["equal"]}
     assert not wrong, f"{model} {p} P -> {d} D through the proxy: {wrong}"
 
 
-@pytest.mark.parametrize(
-    "model,p,d", CASES, ids=[f"{m}-{p}P-{d}D" for m, p, d in CASES]
-)
+@by_case
 def test_decoder_metrics_count_every_read(
     run: dict[str, Any], model: str, p: str, d: str
 ) -> None:
@@ -122,7 +109,7 @@ def test_negative_control_changes_tokens(run: dict[str, Any]) -> None:
     assert control["differs"], control
 
 
-@pytest.mark.parametrize("case", list(suite.FAULTS))
+@pytest.mark.parametrize("case", list(FAULTS))
 def test_fault_outcome_as_written(run: dict[str, Any], case: str) -> None:
     if not suite.FULL:
         pytest.skip("SERVED_ONLY: no faults")
@@ -132,7 +119,7 @@ def test_fault_outcome_as_written(run: dict[str, Any], case: str) -> None:
 
 def test_no_server_left(run: dict[str, Any]) -> None:
     """Every process group the suite started is gone, with its /dev/shm queues."""
-    logs = Path(suite.OUT_DIR / "logs")
+    logs = OUT_DIR / "logs"
     assert logs.is_dir()
     left = [
         p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _in_suite(p)
@@ -146,4 +133,4 @@ def _in_suite(proc: Path) -> bool:
         env = (proc / "environ").read_bytes()
     except OSError:
         return False
-    return f"SERVED_RUN={suite.OUT_DIR}\0".encode() in env
+    return f"SERVED_RUN={OUT_DIR}\0".encode() in env

@@ -24,8 +24,8 @@ States:
 - ``mostly-cached``: 90% cached, 10% uncached, random order.
 - ``descending``: every block free and cached, queue in descending id order
   (requests free their tail first).
-- ``replay``: the agentic replay of ``block_pool_replay.py`` (next to this
-  file; ``--replay-args``, its ``--quick`` length by default), per-call times
+- ``replay``: the agentic replay of ``block_pool_replay.py``
+  (``--replay-args``, its ``--quick`` length by default), per-call times
   of its ``n > 1`` allocations. Queue and sorted pools see the same request
   stream but their states drift apart (tables, hence frees, differ in order).
 
@@ -38,15 +38,12 @@ Example:
 """
 
 import gc
-import importlib.util
 import json
-import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from functools import partial
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -57,6 +54,8 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
+from forktools.bench import block_pool_replay
+from forktools.bench.block_pool_replay import pct
 from forktools.harness.blocks import count_runs
 
 POLICIES = ("queue", "sorted")
@@ -156,11 +155,6 @@ class StatePool:
             queue.num_free_blocks += 1
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
 def summarize(
     state: str,
     num_blocks: int,
@@ -232,40 +226,6 @@ def bench_state(
     return rows
 
 
-def load_replay_module():
-    path = Path(__file__).with_name("block_pool_replay.py")
-    spec = importlib.util.spec_from_file_location("block_pool_replay", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def thread_timed_allocator(clock: Callable[[], int]):
-    """A drop-in for the replay's ``timed_allocator`` using ``clock``."""
-
-    def timed_allocator(pool, stats) -> Callable[[int], list]:
-        orig = pool.get_new_blocks
-        multi, single = stats.alloc_ns["multi"], stats.alloc_ns["single"]
-        sizes = stats.alloc_sizes
-
-        def get_new_blocks(num_blocks: int) -> list:
-            t0 = clock()
-            ret = orig(num_blocks)
-            dt = clock() - t0
-            if num_blocks > 1:
-                multi.append(dt)
-                sizes.append(num_blocks)
-            else:
-                single.append(dt)
-            stats.alloc_blocks += num_blocks
-            return ret
-
-        return get_new_blocks
-
-    return timed_allocator
-
-
 def bench_replay(
     argv: list[str], clock_name: str, show_report: bool = False
 ) -> dict[str, Any]:
@@ -275,23 +235,25 @@ def bench_replay(
     default). With ``show_report`` it also prints its own table (runs per
     transfer, hit rate) and draws its plot if ``argv`` names one.
     """
-    module = load_replay_module()
+    module = block_pool_replay
     assert tuple(module.POLICIES) == POLICIES, module.POLICIES
     args = module.build_parser().parse_args(argv)
     if not any(a == "--plot" or a.startswith("--plot=") for a in argv):
         args.plot = ""
-    if hasattr(module, "timed_allocator"):
-        module.timed_allocator = thread_timed_allocator(CLOCKS[clock_name])
     captured: list[Any] = []
-    report = module.report
+    timed, report = module.timed_allocator, module.report
 
     def capture(args, sims, single) -> None:
         captured.extend(sims)
         if show_report:
             report(args, sims, single)
 
+    module.timed_allocator = partial(timed, clock=CLOCKS[clock_name])
     module.report = capture
-    module.main(args)
+    try:
+        module.main(args)
+    finally:
+        module.timed_allocator, module.report = timed, report
     gc.enable()
     times = {sim.policy: sim.stats.alloc_ns["multi"] for sim in captured}
     runs = {sim.policy: sim.stats.runs for sim in captured}

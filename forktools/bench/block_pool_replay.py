@@ -170,12 +170,13 @@ def make_manager(args, policy: str) -> KVCacheManager:
     )
 
 
-def timed_allocator(pool, stats: PolicyStats) -> Callable[[int], list]:
-    """Wrap ``pool.get_new_blocks`` to record per-call wall time."""
+def timed_allocator(
+    pool, stats: PolicyStats, clock: Callable[[], int] = time.perf_counter_ns
+) -> Callable[[int], list]:
+    """Wrap ``pool.get_new_blocks`` to record per-call times (wall by default)."""
     orig = pool.get_new_blocks
     multi, single = stats.alloc_ns["multi"], stats.alloc_ns["single"]
     sizes = stats.alloc_sizes
-    clock = time.perf_counter_ns
 
     def get_new_blocks(num_blocks: int) -> list:
         t0 = clock()

@@ -8,8 +8,7 @@ uses) are that tree's. It then answers the driver's commands over a pipe:
 
 - ``hello``: what the tree ships, by feature: ordered transfers
   (``sort_block_pairs``), the block pool's order under a NixlConnector (a
-  real Scheduler of the tree binds one), coalesced reads
-  (the pull worker plans them).
+  real Scheduler of the tree binds one).
 - ``resolve``: the layout the tree resolves by default for a model
   (``resolve_kv_cache_layout`` with a NixlConnector config, the model's specs
   and its backends' declared layouts).
@@ -28,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import importlib
 import math
 import os
 import time
@@ -37,7 +35,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import patch
 
 import numpy as np
 
@@ -74,6 +71,29 @@ class Side:
         return "mirrored" if mirrored else "per-layer"
 
 
+def tp_roles(
+    p_name: str, d_name: str, p_tp: int, d_tp: int, seed: int
+) -> tuple[list[tuple[str, str, int, int, int]], list[int], int]:
+    """``(role, layout, rank, tp, seed)`` per side, the prefiller ranks, D's rank.
+
+    The decoder is rank ``d_tp - 1``; the prefiller ranks are those holding
+    some of its KV heads. Per-rank layouts are their own (never kept for
+    another phase).
+    """
+    d_rank = d_tp - 1
+    p_ranks = (
+        list(range(d_rank * (p_tp // d_tp), (d_rank + 1) * (p_tp // d_tp)))
+        if p_tp > d_tp
+        else [d_rank * p_tp // d_tp]
+    )
+    roles = [
+        ("P" if p_tp == 1 else f"P{r}/tp{p_tp}", p_name, r, p_tp, seed + r)
+        for r in p_ranks
+    ]
+    roles.append(("D" if d_tp == 1 else f"D/tp{d_tp}", d_name, d_rank, d_tp, seed))
+    return roles, p_ranks, d_rank
+
+
 class Child:
     """The variant's process state (see the module docstring)."""
 
@@ -107,6 +127,7 @@ class Child:
         import vllm
         from forktools.bench.job_nixl import Copier, Recorder
         from forktools.bench.job_noise import filter_library_handlers
+        from forktools.bench.job_tree import pool_order
         from forktools.harness.real_nixl import probe_real_nixl
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
 
@@ -118,10 +139,6 @@ class Child:
         self.recorder = Recorder()
         self.recorder.install(NixlWrapper)
         self.copier = Copier()
-        # nixl-coalesced-reads ships coalesced reads on, without a switch: a
-        # tree has them when its pull worker plans them.
-        coalesce = hasattr(pull_worker, "plan_coalesced_reads")
-        self.coalesce = coalesce
         return {
             "vllm": str(Path(vllm.__file__).parent.parent),
             "import_s": time.perf_counter() - started,
@@ -131,86 +148,19 @@ class Child:
                 if hasattr(pull_worker, "sort_block_pairs")
                 else "stock",
                 "pool": {
-                    "P": self._pool_order("kv_producer"),
-                    "D": self._pool_order("kv_consumer"),
+                    "P": pool_order("kv_producer"),
+                    "D": pool_order("kv_consumer"),
                 },
-                "read": "coalesced" if coalesce else "standard",
             },
         }
-
-    def _pool_order(self, role: str) -> str:
-        """The block pool's order a Scheduler of this tree sets for NIXL."""
-        from tests.v1.kv_connector.unit.utils import (
-            create_scheduler,
-            create_vllm_config,
-        )
-
-        config = create_vllm_config(block_size=64, kv_role=role)
-        scheduler = create_scheduler(config, num_blocks=64)
-        pool = scheduler.kv_cache_manager.block_pool
-        order = "sorted" if getattr(pool, "sort_new_blocks", False) else "queue"
-        getattr(scheduler, "shutdown", lambda: None)()
-        return order
 
     def resolve(
         self, model: str, backends: list[str], mla: bool = True
     ) -> dict[str, Any]:
         """The layout this tree resolves without a user setting (NIXL)."""
-        from tests.v1.kv_connector.unit.utils import create_vllm_config
-        from vllm.config.model import ModelConfig
-        from vllm.distributed.kv_transfer.kv_connector.utils import (
-            get_kv_connector_cache_layout,
-        )
-        from vllm.platforms import current_platform
-        from vllm.v1.attention.backends.utils import (
-            get_supported_kv_cache_layouts,
-            resolve_kv_cache_layout,
-        )
+        from forktools.bench.job_tree import resolve_layout
 
-        classes = []
-        for path in backends:
-            module, _, name = path.partition(":")
-            classes.append(getattr(importlib.import_module(module), name))
-        supported = [layout.name for layout in get_supported_kv_cache_layouts(classes)]
-        name = next(n for n in self.zoo.ZOO if n.startswith(f"{model}/"))
-        tiny = self.zoo.build_zoo_layout(
-            name,
-            num_blocks=16,
-            num_layers=NUM_LAYERS,
-            scale=ZOO_SCALE,
-            block_size=PAGE_TOKENS,
-        )
-        specs = []
-        for group in tiny.kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            specs += list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
-        config = create_vllm_config(
-            block_size=PAGE_TOKENS,
-            kv_role="kv_both",
-        )
-        config.cache_config.kv_cache_layout = None
-        # What a user who sets nothing gets on a CUDA deployment (the backends
-        # above are CUDA's): the job's 4-token pages are a scaling of the
-        # model's, not a user's --block-size, and the host here is a CPU.
-        config.cache_config.user_specified_block_size = False
-        # The test config's model is OPT (no GLM-5.3 config offline): it says
-        # MLA as GLM-5.3's does (use_mla, is_deepseek_mla); the resolution and
-        # the connector read nothing else of the model.
-        says_mla = property(lambda self: mla)
-        with (
-            patch.object(ModelConfig, "use_mla", says_mla),
-            patch.object(ModelConfig, "is_deepseek_mla", says_mla),
-            patch.object(current_platform, "is_cuda", lambda: True),
-        ):
-            connector = get_kv_connector_cache_layout(config)
-            layout = resolve_kv_cache_layout(config, [supported], specs)
-        return {
-            "supported": supported,
-            "connector": connector,
-            "resolved": layout.name,
-            # Why (a tree that records it): the workers register by it.
-            "reason": getattr(config.cache_config, "kv_cache_layout_reason", None),
-        }
+        return resolve_layout(self.zoo, model, backends, mla)
 
     def lists(self, args: dict[str, Any], p_order: str, d_order: str) -> dict:
         """The replay through this tree's block pools (``job_lists``)."""
@@ -253,89 +203,24 @@ class Child:
         prefiller's TP is larger), each with its own worker and agent.
 
         With ``model_geometry`` the zoo model's own block size and layer count
-        (``layout_zoo._MODEL_FAMILIES``) replace the job's. With
-        ``disjoint_groups`` each transfer group reads its own contiguous share
-        of the request's block list (``group_lists``), as groups that overlay
-        one block row must: a block belongs to one group at a time.
+        replace the job's. With ``disjoint_groups`` each transfer group reads
+        its own contiguous share of the request's block list
+        (``group_lists``), as groups that overlay one block row must.
         """
         from forktools.bench.job_lists import Transfer
+        from forktools.harness.real_nixl import connect
 
-        zoo = self.zoo
-        self.disjoint_groups = disjoint_groups
+        self.disjoint_groups, self.p_tp = disjoint_groups, p_tp
+        self.transfers = [Transfer(**t) for t in transfers]
         kwargs = dict(
             num_blocks=num_blocks,
             num_layers=None if model_geometry else num_layers or NUM_LAYERS,
             scale=ZOO_SCALE,
             block_size=None if model_geometry else PAGE_TOKENS,
         )
-        self.transfers = [Transfer(**t) for t in transfers]
-        d_rank = d_tp - 1
-        p_ranks = (
-            list(range(d_rank * (p_tp // d_tp), (d_rank + 1) * (p_tp // d_tp)))
-            if p_tp > d_tp
-            else [d_rank * p_tp // d_tp]
-        )
-        # Per-rank layouts are their own (never kept for another phase).
-        p_layouts = [
-            self._layout(
-                p_name,
-                "P" if p_tp == 1 else f"P{r}/tp{p_tp}",
-                kwargs | {"tp_size": p_tp},
-                seed + r,
-            )
-            for r in p_ranks
-        ]
-        p_layout = p_layouts[0]
-        d_layout = self._layout(
-            d_name,
-            "D" if d_tp == 1 else f"D/tp{d_tp}",
-            kwargs | {"tp_size": d_tp},
-            seed,
-        )
-        staging = None
-        if recipe and (pairing["p_stages"] or pairing["d_stages"]):
-            # Only its configuration is used: a small pool (64 blocks: the
-            # DeepSeek-V4 planner refuses fewer for its window and state groups).
-            staging = zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 64}))
-        sides = []
-        for role, layout, stages, rank, tp in (
-            *(
-                ("P", layout, pairing["p_stages"], r, p_tp)
-                for layout, r in zip(p_layouts, p_ranks, strict=True)
-            ),
-            ("D", d_layout, pairing["d_stages"], d_rank, d_tp),
-        ):
-            raws = len(layout.raws)
-            if stages:
-                groups = [g.layer_names for g in layout.kv_cache_config.kv_cache_groups]
-                if groups != [
-                    g.layer_names for g in staging.kv_cache_config.kv_cache_groups
-                ]:
-                    raise RuntimeError(f"{recipe} and {layout.name} differ in groups")
-                layout = replace(
-                    layout,
-                    name=staging.name,
-                    host_staging=True,
-                    configure=staging.configure,
-                )
-            worker = zoo.make_zoo_worker(
-                layout,
-                engine_id=f"{self.spec['key']}-{role}",
-                coalesce=self.coalesce,
-                tp_rank=rank,
-                tp_size=tp,
-                layout_reason=layout_reason,
-            )
-            if stages and (not worker.use_host_buffer or worker.copy_blocks is None):
-                raise RuntimeError(f"{role}: the worker does not stage")
-            # Staging buffers are torch.empty: zero them (also makes them
-            # resident: no copy or READ pays first-touch page faults).
-            for raw in layout.raws[raws:]:
-                raw.zero_()
-            sides.append(Side(worker, layout, stages, device_raws=raws))
-        *self.prefills, self.decode = sides
+        roles, p_ranks, d_rank = tp_roles(p_name, d_name, p_tp, d_tp, seed)
+        layouts = self._make_sides(roles, pairing, recipe, kwargs, layout_reason)
         self.prefill = self.prefills[0]
-        self.p_tp = p_tp
         self.heads = None
         if p_tp != d_tp:
             total = self.decode.worker.transfer_topo.total_num_kv_heads
@@ -345,21 +230,17 @@ class Child:
             )
         self.recorder.watch(self.decode.agent)
         info: dict[str, Any] = {
-            "layout": {"prefiller": p_layout.name, "decoder": d_layout.name},
+            "layout": {"prefiller": layouts[0].name, "decoder": layouts[-1].name},
             "staging": {"P": self.prefill.staging(), "D": self.decode.staging()},
             "registered": {
                 "prefiller": self.prefill.registered(),
                 "decoder": self.decode.registered(),
             },
             "raws": {
-                "P": [
-                    raw.numel() for side in self.prefills for raw in side.layout.raws
-                ],
+                "P": [raw.numel() for p in self.prefills for raw in p.layout.raws],
                 "D": [raw.numel() for raw in self.decode.layout.raws],
             },
         }
-        from forktools.harness.real_nixl import connect
-
         try:
             for side, rank in zip(self.prefills, p_ranks, strict=True):
                 connect(
@@ -371,19 +252,86 @@ class Child:
         except Exception as exc:  # noqa: BLE001 - the decoder refused the peer
             return info | {"refused": f"{type(exc).__name__}: {exc}"}
         if self.prefill.stages:
-            # The prefiller's device caches never change: one copy of every
-            # block a READ reads, per transfer group, to its host buffers
-            # (untimed) makes every READ move current bytes; the sampled
-            # READs time the request's own copy.
-            read: list[set[int]] = [set() for _ in range(self.prefill.groups)]
-            for t in self.transfers:
-                for ids, group_ids in zip(
-                    read, self.group_lists(t.remote_ids, len(read)), strict=True
-                ):
-                    ids.update(group_ids)
-            self._save_to_host("read-blocks", [sorted(ids) for ids in read])
-        info |= self._read_list(info["registered"]["decoder"])
+            self._stage_read_blocks()
         return info
+
+    def _make_sides(
+        self,
+        roles: list[tuple[str, str, int, int, int]],
+        pairing: dict[str, Any],
+        recipe: str | None,
+        kwargs: dict[str, Any],
+        layout_reason: str | None,
+    ) -> list[Any]:
+        """The pair's sides, one per ``(role, layout, rank, tp, seed)``.
+
+        Returns each side's device layout (before staging renames it).
+        """
+        layouts = [
+            self._layout(name, role, kwargs | {"tp_size": tp}, layout_seed)
+            for role, name, _, tp, layout_seed in roles
+        ]
+        staging = None
+        if recipe and (pairing["p_stages"] or pairing["d_stages"]):
+            # Only its configuration is used: a small pool (64 blocks: the
+            # DeepSeek-V4 planner refuses fewer for its window and state groups).
+            staging = self.zoo.build_zoo_layout(recipe, **(kwargs | {"num_blocks": 64}))
+        sides = [
+            self._side(
+                role,
+                layout,
+                pairing["p_stages" if role.startswith("P") else "d_stages"],
+                staging,
+                tp_rank=rank,
+                tp_size=tp,
+                layout_reason=layout_reason,
+            )
+            for (role, _, rank, tp, _), layout in zip(roles, layouts, strict=True)
+        ]
+        *self.prefills, self.decode = sides
+        return layouts
+
+    def _stage_read_blocks(self) -> None:
+        """Copy every block a READ reads, per transfer group, to host (untimed).
+
+        The prefiller's device caches never change: this one copy makes every
+        READ move current bytes; the sampled READs time the request's own copy.
+        """
+        assert self.prefill is not None
+        read: list[set[int]] = [set() for _ in range(self.prefill.groups)]
+        for t in self.transfers:
+            for ids, group_ids in zip(
+                read, self.group_lists(t.remote_ids, len(read)), strict=True
+            ):
+                ids.update(group_ids)
+        self._save_to_host("read-blocks", [sorted(ids) for ids in read])
+
+    def _side(
+        self, role: str, layout: Any, stages: bool, staging: Any, **worker: Any
+    ) -> Side:
+        """One worker over ``layout``; a staging side takes ``staging``'s config."""
+        raws = len(layout.raws)
+        if stages:
+            groups = [g.layer_names for g in layout.kv_cache_config.kv_cache_groups]
+            recipe = staging.kv_cache_config.kv_cache_groups
+            if groups != [g.layer_names for g in recipe]:
+                raise RuntimeError(f"{staging.name} and {layout.name} differ in groups")
+            layout = replace(
+                layout,
+                name=staging.name,
+                host_staging=True,
+                configure=staging.configure,
+            )
+        made = self.zoo.make_zoo_worker(
+            layout, engine_id=f"{self.spec['key']}-{role}", **worker
+        )
+        if stages and (not made.use_host_buffer or made.copy_blocks is None):
+            raise RuntimeError(f"{role}: the worker does not stage")
+        # Staging buffers are torch.empty: zero them (also makes them
+        # resident: no copy or READ pays first-touch page faults).
+        for raw in layout.raws[raws:]:
+            raw.zero_()
+        return Side(made, layout, stages, device_raws=raws)
 
     def _layout(self, name: str, role: str, kwargs: dict[str, int], seed: int) -> Any:
         """A device layout: the prefiller's filled with a pattern, the
@@ -400,27 +348,6 @@ class Child:
         self.own_raws[key] = len(self.layouts[key].raws)
         return self.layouts[key]
 
-    def _read_list(self, decoder: dict[str, int]) -> dict[str, Any]:
-        reads = getattr(self.decode.worker, "_coalesced_reads", {}).get(
-            (self.prefill.worker.engine_id, 0)
-        )
-        if reads is None:
-            return {"read_list": dict(decoder), "coalesce_summary": ""}
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.region_coalescing import (  # noqa: E501
-            coalesce_rows,
-        )
-
-        rows = np.asarray(
-            coalesce_rows(self.decode.worker.src_blocks_data, reads.plan.runs)
-        )
-        return {
-            "read_list": {
-                "regions": len(reads.plan.runs),
-                "descriptors": int(rows[:, 4].sum()),
-            },
-            "coalesce_summary": reads.plan.summary(),
-        }
-
     def group_lists(self, ids: list[int], groups: int) -> list[list[int]]:
         """The block list of each transfer group: the request's whole list, or
         (``disjoint_groups``) group ``g`` takes the ``g``-th of ``groups``
@@ -429,6 +356,15 @@ class Child:
             return [ids] * groups
         n = len(ids)
         return [ids[g * n // groups : (g + 1) * n // groups] for g in range(groups)]
+
+    def _sync_to_device(self, rid: str, local_lists: list[list[int]]) -> float:
+        """The decoder's h2d staging copy of the READ's blocks; returns ms."""
+        assert self.decode is not None
+        start = time.perf_counter()
+        self.decode.worker.sync_recved_kv_to_device(
+            rid, SimpleNamespace(local_physical_block_ids=local_lists)
+        )
+        return (time.perf_counter() - start) * 1e3
 
     def _save_to_host(self, rid: str, ids: list[list[int]]) -> float:
         """The prefiller's d2h staging copy of the blocks; returns ms."""
@@ -468,12 +404,7 @@ class Child:
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
-        from forktools.bench.job_nixl import (
-            floor_offsets,
-            verify_and_zero,
-            verify_heads_and_zero,
-            zero_rows,
-        )
+        from forktools.bench.job_nixl import floor_offsets
         from forktools.harness.real_nixl import pull_request
 
         prefill, decode, copier = self.prefill, self.decode, self.copier
@@ -483,13 +414,10 @@ class Child:
         fresh = pair not in self.used_pairs
         self.used_pairs.add(pair)
         d2h = h2d = math.nan
-        notes: list[str] = []
-        if prefill.stages and sampled:
-            # The request's whole block list, as a prefiller saves it.
+        if prefill.stages and sampled:  # the request's whole list, as P saves it
             copier.evict()
-            d2h = self._save_to_host(
-                t.rid, self.group_lists(t.prefill_ids, prefill.groups)
-            )
+            saved = self.group_lists(t.prefill_ids, prefill.groups)
+            d2h = self._save_to_host(t.rid, saved)
         copier.evict()
         local_lists = self.group_lists(t.local_ids, decode.groups)
         remote_lists = self.group_lists(t.remote_ids, decode.groups)
@@ -509,75 +437,28 @@ class Child:
         dst, src, n = self.recorder.pieces(
             decode.agent, [side.agent for side in self.prefills], xfers
         )
-        p_raws = [raw for side in self.prefills for raw in side.layout.raws]
         if decode.stages and verify:
             # Only where the device pages are compared: the other READs leave
             # the bytes in the host buffers (zeroed with the memmove floor).
-            start = time.perf_counter()
-            decode.worker.sync_recved_kv_to_device(
-                t.rid, SimpleNamespace(local_physical_block_ids=local_lists)
-            )
-            h2d = (time.perf_counter() - start) * 1e3
-        ok = True
+            h2d = self._sync_to_device(t.rid, local_lists)
         moved = int(n.sum())
+        notes = []
         if moved != result.total_bytes:
-            ok = False
             notes.append(
                 f"READ {index}: pieces hold {moved:,} B, NIXL moved "
                 f"{result.total_bytes:,} B"
             )
-        verified = False
         if verify:
-            if self.disjoint_groups:
-                # Overlaid groups: each group's pages at its own blocks.
-                good, compared = True, 0
-                for group, local, remote in zip(
-                    decode.worker.kv_cache_config.transfer_groups,
-                    local_lists,
-                    remote_lists,
-                    strict=True,
-                ):
-                    part = replace(t, local_ids=local, remote_ids=remote)
-                    ok_g, n_g = verify_and_zero(
-                        decode.layout, prefill.layout, part, set(group.layer_names)
-                    )
-                    good, compared = good and ok_g, compared + n_g
-                # A READ (and a mirrored h2d copy) moves whole block rows, the
-                # bytes past a group's pages included, as stock does. Pages
-                # were compared; the rest of the request's rows is zeroed
-                # here, so the stray scan still catches any byte written
-                # outside the request's blocks.
-                complete = compared <= result.total_bytes
-                zero_rows(
-                    decode.layout.raws[: decode.device_raws],
-                    decode.layout.kv_cache_config.num_blocks,
-                    t.local_ids,
-                )
-            elif self.heads is not None:
-                d_heads, p_heads = self.heads
-                good, compared = verify_heads_and_zero(
-                    decode.layout,
-                    [
-                        (side.layout, heads)
-                        for side, heads in zip(self.prefills, p_heads, strict=True)
-                    ],
-                    d_heads,
-                    t,
-                )
-                complete = compared == result.total_bytes
-            else:
-                good, compared = verify_and_zero(decode.layout, prefill.layout, t)
-                complete = compared == result.total_bytes
-            if not good or not complete:
-                ok = False
+            compared, complete = self._verify(t, local_lists, remote_lists)
+            if not complete(result.total_bytes):
                 notes.append(
                     f"READ {index}: bytes differ (checked {compared:,} of "
                     f"{result.total_bytes:,})"
                 )
-            verified = True
         copier.evict()
         floor_ms = copier.gather(dst, src, n)
         copier.zero(dst, n)
+        p_raws = [raw for side in self.prefills for raw in side.layout.raws]
         return {
             "blocks": len(t.local_ids),
             "bytes": moved,
@@ -591,10 +472,9 @@ class Child:
             "floor_ms": floor_ms,
             "d2h_ms": d2h,
             "h2d_ms": h2d,
-            "coalesced": result.coalesced,
             "fresh_agents": fresh,
-            "verified": verified,
-            "ok": ok,
+            "verified": verify,
+            "ok": not notes,
             "notes": notes,
             "pieces": (
                 floor_offsets(src, p_raws),
@@ -602,6 +482,56 @@ class Child:
                 n,
             ),
         }
+
+    def _verify(
+        self, t: Any, local_lists: list[list[int]], remote_lists: list[list[int]]
+    ) -> tuple[int, Any]:
+        """Compare (and zero) the READ's pages: ``(bytes compared, complete)``.
+
+        ``complete(total_bytes)``: the pages matched and cover what NIXL moved.
+        """
+        from forktools.bench.job_nixl import (
+            verify_and_zero,
+            verify_heads_and_zero,
+            zero_rows,
+        )
+
+        prefill, decode = self.prefill, self.decode
+        assert prefill is not None and decode is not None
+        if self.disjoint_groups:
+            # Overlaid groups: each group's pages at its own blocks.
+            good, compared = True, 0
+            for group, local, remote in zip(
+                decode.worker.kv_cache_config.transfer_groups,
+                local_lists,
+                remote_lists,
+                strict=True,
+            ):
+                part = replace(t, local_ids=local, remote_ids=remote)
+                ok_g, n_g = verify_and_zero(
+                    decode.layout, prefill.layout, part, set(group.layer_names)
+                )
+                good, compared = good and ok_g, compared + n_g
+            # A READ (and a mirrored h2d copy) moves whole block rows, the
+            # bytes past a group's pages included, as stock does. Pages were
+            # compared; the rest of the request's rows is zeroed here, so the
+            # stray scan still catches any byte written outside its blocks.
+            zero_rows(
+                decode.layout.raws[: decode.device_raws],
+                decode.layout.kv_cache_config.num_blocks,
+                t.local_ids,
+            )
+            return compared, lambda total: good and compared <= total
+        if self.heads is not None:
+            d_heads, p_heads = self.heads
+            prefills = [
+                (side.layout, heads)
+                for side, heads in zip(self.prefills, p_heads, strict=True)
+            ]
+            good, compared = verify_heads_and_zero(decode.layout, prefills, d_heads, t)
+        else:
+            good, compared = verify_and_zero(decode.layout, prefill.layout, t)
+        return compared, lambda total: good and compared == total
 
     def clean(self) -> bool:
         """Whether every byte of the decoder's allocations is zero."""

@@ -24,7 +24,6 @@ labelled SYNTHETIC. Numpy only at import; vLLM is imported by the replay.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
 from collections import deque
@@ -35,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from forktools.harness.blocks import count_runs
-from forktools.paths import ROOT
 
 REPLAY_MODULE = "forktools/bench/block_pool_replay.py"
 
@@ -70,16 +68,6 @@ class BlockLists:
     source: str
     synthetic: bool
     notes: list[str] = field(default_factory=list)
-
-
-def _load_replay() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "block_pool_replay", ROOT / REPLAY_MODULE
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class DecodeRank:
@@ -196,12 +184,12 @@ def replay_block_lists(
     Returns:
         ``args.transfers + 1`` transfers (the first is the cold READ): the
         requests the prefiller finished after the warm-up, in order.
-
     """
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    replay = _load_replay()
+    from forktools.bench import block_pool_replay as replay
+
     rargs = replay.build_parser().parse_args(shlex.split(args.replay_args))
     init_none_hash(sha256)
     saved = os.environ.get("VLLM_BLOCK_POOL_ALLOCATION_POLICY")
@@ -212,6 +200,39 @@ def replay_block_lists(
         os.environ.pop("VLLM_BLOCK_POOL_ALLOCATION_POLICY", None)
     else:
         os.environ["VLLM_BLOCK_POOL_ALLOCATION_POLICY"] = saved
+    need = args.transfers + 1
+    wanted = _drive(replay, rargs, workload, prefill, decode, args.warmup, need)
+    transfers = [decode.transfers[rid] for rid in wanted[:need]]
+    hit = sum(t.hit_blocks for t in transfers)
+    total = hit + sum(len(t.local_ids) for t in transfers)
+    note = (
+        f"replay ({REPLAY_MODULE} {args.replay_args or '(defaults)'}): "
+        f"{rargs.num_blocks:,} blocks x {rargs.block_size} tokens per pool, "
+        f"{rargs.sessions} sessions, prompts {rargs.first_turn_tokens[0]:,}-"
+        f"{rargs.max_input_tokens:,} tokens, {args.warmup} warm-up prefills; "
+        f"decoder prefix-cache hits {100.0 * hit / max(total, 1):.1f}% of the "
+        f"read requests' blocks; decoder preemptions {decode.preempted}"
+    )
+    source = (
+        "replayed: a real KVCacheManager/BlockPool for P and one for D, in "
+        "each variant's own tree"
+    )
+    return BlockLists(transfers, rargs.num_blocks, source, False, [note])
+
+
+def _drive(
+    replay: ModuleType,
+    rargs: argparse.Namespace,
+    workload: Any,
+    prefill: Any,
+    decode: DecodeRank,
+    warmup: int,
+    need: int,
+) -> list[str]:
+    """Step both pools until the decoder read ``need`` post-warm-up requests.
+
+    Returns the ids of the requests the prefiller finished after the warm-up.
+    """
     finished: list[tuple[Any, list[int]]] = []
 
     def on_finish(run: Any) -> None:
@@ -219,10 +240,9 @@ def replay_block_lists(
         finished.append((run, ids))
 
     prefill.on_finish = on_finish
-    need = args.transfers + 1
     idle = list(workload.sessions)
     in_flight = finished_total = step = 0
-    wanted: list[str] = []  # requests the prefiller finished after the warm-up
+    wanted: list[str] = []
     while len(wanted) < need + 4 or any(
         rid not in decode.transfers for rid in wanted[:need]
     ):
@@ -232,7 +252,7 @@ def replay_block_lists(
             rid = f"s{session.sid}-t{session.turn}"
             prefill.submit(replay.make_request(session, workload, rid), session)
             in_flight += 1
-        record = finished_total >= args.warmup
+        record = finished_total >= warmup
         for session in prefill.step(step, False):
             in_flight -= 1
             finished_total += 1
@@ -244,27 +264,9 @@ def replay_block_lists(
         finished.clear()
         decode.step()
         step += 1
-        if step > 50 * (args.warmup + need) + 10_000:
+        if step > 50 * (warmup + need) + 10_000:
             raise RuntimeError("replay made no progress; pool too small?")
-    transfers = [decode.transfers[rid] for rid in wanted[:need]]
-    hit = sum(t.hit_blocks for t in transfers)
-    total = hit + sum(len(t.local_ids) for t in transfers)
-    notes = [
-        f"replay ({REPLAY_MODULE} {args.replay_args or '(defaults)'}): "
-        f"{rargs.num_blocks:,} blocks x {rargs.block_size} tokens per pool, "
-        f"{rargs.sessions} sessions, prompts {rargs.first_turn_tokens[0]:,}-"
-        f"{rargs.max_input_tokens:,} tokens, {args.warmup} warm-up prefills; "
-        f"decoder prefix-cache hits {100.0 * hit / max(total, 1):.1f}% of the "
-        f"read requests' blocks; decoder preemptions {decode.preempted}"
-    ]
-    return BlockLists(
-        transfers,
-        rargs.num_blocks,
-        "replayed: a real KVCacheManager/BlockPool for P and one for D, in "
-        "each variant's own tree",
-        False,
-        notes,
-    )
+    return wanted
 
 
 def fragmented_block_ids(
@@ -404,3 +406,28 @@ def assign(
         for v in group:
             per_variant[v.key] = {"transfers": compacted, "sampled": sampled}
     return per_variant, records
+
+
+def override_args(replay_args: str, extra: str) -> str:
+    """``replay_args`` with ``extra``'s options in place of their own."""
+    given = shlex.split(extra)
+    names = {w for w in given if w.startswith("--")}
+    kept: list[str] = []
+    skip = False
+    for word in shlex.split(replay_args or ""):
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in names:
+            skip = "=" not in word
+            continue
+        kept.append(word)
+    return shlex.join([*kept, *given])
+
+
+def layout_blocks(raw: dict[str, BlockLists], records: dict[str, dict]) -> int:
+    """Blocks per side: every compacted READ fits, rounded up to 256."""
+    span = max(r["span"] for r in records.values())
+    pool = max(lists.num_blocks for lists in raw.values())
+    return min(-(-span // 256) * 256, pool)

@@ -519,12 +519,3 @@ def zero_rows(raws: Sequence[Any], num_blocks: int, ids: Sequence[int]) -> None:
     local = torch.as_tensor(ids, dtype=torch.long)
     for raw in raws:
         raw.view(num_blocks, -1).index_fill_(0, local, 0)
-
-
-def zero_views(layout: Any, ids: Sequence[int]) -> None:
-    """Zero the given blocks of every cache view of the layout."""
-    import torch
-
-    local = torch.as_tensor(ids, dtype=torch.long)
-    for view in layout.kv_caches.values():
-        view.index_fill_(0, local, 0)

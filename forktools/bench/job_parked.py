@@ -4,8 +4,8 @@
 ``series/manifest.toml`` parks a patch (``parked = reason``) while it is
 ported to a new release: it is kept, neither built nor exported, so no prefix
 of ``build/vllm`` holds it. A row that needs it (its prefix, or a series row
-whose figures come from it: a layout preference, mirrored staging, coalesced
-reads) cannot be measured; the job lists it by name instead of dropping it:
+whose figures come from it: a layout preference, mirrored staging) cannot be
+measured; the job lists it by name instead of dropping it:
 ``parked: <scenario/row>: needs <NNNN name>``, with a count.
 
 The patch number is its position in the manifest, parked patches included
@@ -77,21 +77,21 @@ def parked_patches() -> list[ParkedPatch]:
 
 
 def parked_rows(
-    scenarios: list[Any], upgrade: bool, patches: list[ParkedPatch]
+    scenarios: list[Any], mixed_pair: bool, patches: list[ParkedPatch]
 ) -> list[dict[str, Any]]:
     """One entry per scenario row group whose rows need parked patches.
 
-    A scenario with ``rows=()`` would show every prefix: each parked patch
+    A scenario with ``rows=None`` would show every prefix: each parked patch
     that changes ``vllm/`` would have had a row. One with ``rows`` names the
     patches whose prefixes it shows. ``Scenario.parked_series`` names what a
-    series row would show with a parked patch (its ``what`` text). The
-    rolling-upgrade pair's fork side is the series: its layout preference
-    (``UPGRADE_PARKED``) is parked with the layout stack.
+    series row would show with a parked patch (its ``what`` text). The mixed
+    pair's fork side is the series: its layout preference
+    (``MIXED_PAIR_PARKED``) is parked with the layout stack.
     """
     by_name = {p.name: p for p in patches}
     out = []
     for s in scenarios:
-        if s.rows:
+        if s.rows is not None:
             names = [n for n in s.rows if n in by_name]
         else:
             names = [p.name for p in patches if p.code]
@@ -121,14 +121,14 @@ def parked_rows(
                     "what": what,
                 }
             )
-    if upgrade:
-        for name, text in UPGRADE_PARKED:
+    if mixed_pair:
+        for name, text in MIXED_PAIR_PARKED:
             if name in by_name:
                 out.append(
                     {
                         "scenario": "rolling-upgrade",
                         "pairing": "",
-                        "where": "rolling-upgrade (fork side)",
+                        "where": "rolling-upgrade (mixed pair, fork side)",
                         "needs": [by_name[name].label],
                         "what": {by_name[name].label: text},
                     }
@@ -136,8 +136,8 @@ def parked_rows(
     return out
 
 
-# What the rolling-upgrade pair's fork side would resolve with a parked patch.
-UPGRADE_PARKED = (
+# What the mixed pair's fork side would resolve with a parked patch.
+MIXED_PAIR_PARKED = (
     (
         "nixl-mla-block-outermost-layout",
         "the series' BLHNC default for MLA: one whole-row region",

@@ -51,10 +51,3 @@ PROJECTION = {
     "rc_x-class transports. Posting only: bytes, completion and vLLM's own "
     "read path come on top.",
 }
-
-
-def project_ms(descs: float | None) -> tuple[float, float] | None:
-    """Post time range (ms) for a descriptor count."""
-    if descs is None:
-        return None
-    return descs * US_PER_DESC_LOW / 1e3, descs * US_PER_DESC_HIGH / 1e3

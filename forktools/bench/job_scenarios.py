@@ -100,7 +100,8 @@ class Scenario:
             the whole list.
         rows: Manifest names of the patches whose prefixes get a row, besides
             stock and the series (the patches that introduced or change the
-            scenario's read path); empty: every prefix.
+            scenario's read path); ``()``: stock and the series alone; None:
+            every prefix.
         p_tp: TP size of the prefiller (head-sharded models, ``layout_zoo``
             ``HEAD_SHARDED``): with ``p_tp > d_tp`` the decoder rank reads its
             KV heads from ``p_tp // d_tp`` prefiller ranks.
@@ -111,9 +112,8 @@ class Scenario:
         description: One line for the legend.
         parked_series: ``(patch name, what)`` pairs: what the scenario's
             series row shows with a patch the manifest parks (a layout
-            preference, mirrored staging, coalesced reads). While it is
-            parked the row is the built series' and the job lists the
-            feature as parked (``job_parked.py``).
+            preference, mirrored staging). While it is parked the row is the
+            built series' and the job lists the feature as parked.
 
     """
 
@@ -129,7 +129,7 @@ class Scenario:
     model_block_tokens: int | None = None
     num_layers: int | None = None
     disjoint_groups: bool = False
-    rows: tuple[str, ...] = ()
+    rows: tuple[str, ...] | None = None
     p_tp: int = 1
     d_tp: int = 1
     verify_every: bool = False
@@ -206,10 +206,7 @@ SCENARIOS = (
         "HiSparse decoder <- GLM-5.3 BLHNC prefiller",
         "glm53/BLHNC",
         "hisparse-glm53/BLHNC",
-        rows=("nixl-coalesced-reads",),
-        parked_series=(
-            ("nixl-coalesced-reads", "the decoder reads its 101 regions as fewer"),
-        ),
+        rows=(),
         description="device row of strided indexer pages + LBNHC host pool of "
         "per-layer MLA pages (101 regions) on the decoder",
     ),
@@ -231,7 +228,6 @@ SCENARIOS = (
         model_block_tokens=256,
         disjoint_groups=True,
         rows=("nixl-host-staging-group-copies",),
-        parked_series=(("nixl-coalesced-reads", "coalesced reads"),),
         description="8 layers + MTP at the model's page sizes and 256-token "
         "blocks, lists replayed through 256-token pools; each transfer group "
         "reads its own contiguous share of a request's list (SYNTHETIC "
@@ -250,10 +246,7 @@ SCENARIOS = (
         "synthetic/glm-draft-storage",
         "synthetic/glm-draft-storage",
         synthetic_layout=True,
-        rows=("nixl-coalesced-reads",),
-        parked_series=(
-            ("nixl-coalesced-reads", "the decoder reads its 102 regions as 2"),
-        ),
+        rows=(),
         description="the GLM-5.3 row + a draft MLA cache in its own allocation "
         "(102 regions), the row of the upstream change's report",
     ),

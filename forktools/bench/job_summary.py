@@ -1,29 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""From the READs of one row to its JSON record (see ``nixl_main_job.py``).
+"""The main job's JSON (schema in ``nixl_main_job.py``): rows and texts.
 
 A row is one variant read on one pairing of one scenario. Its record holds
 the distributions (p50/p95/p99...), the ratios to the row group's stock row,
 the per-pass medians (``--repeat``), the verification and the raw samples.
-Numpy only.
 """
 
 from __future__ import annotations
 
-import math
 import os
+import platform
+import resource
 from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from forktools.bench.job_noise import package_version
-
-try:
-    from forktools.manifest import (
-        BASE_TAG,  # forktools/manifest.py: series/release.toml
-    )
-except ImportError:  # tools/ not on sys.path
-    BASE_TAG = "the release tag"
+from forktools.bench import job_rig
+from forktools.bench.job_noise import NOISE, package_version
+from forktools.bench.job_projection import PROJECTION
+from forktools.bench.job_upgrade import TEXT as MIXED_PAIR_TEXT
+from forktools.manifest import BASE_TAG
 
 # One line per column or term of the tables (the JSON's "definitions").
 DEFINITIONS = {
@@ -33,8 +32,7 @@ DEFINITIONS = {
     "in series/manifest.toml, parked patches counted (they get no row: see "
     "Parked).",
     "registered descs": "regions x blocks of the KV memory one side registers "
-    "with NIXL; regions P / D -> N: the decoder reads its regions as N "
-    "(coalesced reads).",
+    "with NIXL.",
     "descs/READ": "descriptors NIXL posted for one request's READs (telemetry "
     "descCount, all handles).",
     "list floor": "the fewest descriptors the READ's byte ranges allow: ranges "
@@ -74,22 +72,17 @@ DEFINITIONS = {
     "per-descriptor post costs (see the sources); posting only.",
 }
 FULL = ("p50", "p95", "p99", "max", "mean", "total")
-SAMPLE_KEYS = (
-    "blocks",
-    "bytes",
-    "descs",
-    "list_floor",
-    "done_ms",
-    "floor_ms",
+# Stored as their full stats under their own key.
+TIMES = (
     "nixl_floor_ms",
     "nixl_floor_no_notif_ms",
     "post_ms",
     "bare_post_ms",
     "post_cpu_ms",
     "bare_post_cpu_ms",
-    "d2h_ms",
-    "h2d_ms",
 )
+FULL_KEYS = ("descs", "list_floor", "done_ms", "floor_ms", *TIMES)
+SAMPLE_KEYS = ("blocks", "bytes", *FULL_KEYS, "d2h_ms", "h2d_ms")
 
 
 def stats(values: Sequence[float], keys: Sequence[str] = ("p50", "p95", "p99")) -> dict:
@@ -145,15 +138,12 @@ def base_row(
             "pool": pool["D"]
             if pool["P"] == pool["D"]
             else f"P {pool['P']}, D {pool['D']}",
-            "read": levers["read"],
             "staging": staging["D"] if both else f"P {staging['P']}, D {staging['D']}",
             "layout": layout["decoder"].rpartition("/")[2],
         },
         "layout": layout,
         "synthetic_layout": scenario.synthetic_layout,
         "registered": info.get("registered"),
-        "read_list": info.get("read_list"),
-        "coalesce_summary": info.get("coalesce_summary", ""),
     }
 
 
@@ -162,24 +152,60 @@ def row_record(
 ) -> dict[str, Any]:
     """A measured row: ``base`` (identity, layout, registration) + its READs."""
     s = samples(reads)
-    descs, floor = stats(s["descs"], FULL), stats(s["list_floor"], FULL)
-    done, time_floor = stats(s["done_ms"], FULL), stats(s["floor_ms"], FULL)
-    nixl_floor = stats(s["nixl_floor_ms"], FULL)
+    full = {k: stats(s[k], FULL) for k in FULL_KEYS}
+    descs, floor, done = full["descs"], full["list_floor"], full["done_ms"]
     own = [p - b for p, b in zip(s["post_cpu_ms"], s["bare_post_cpu_ms"], strict=True)]
     wait = [d - f for d, f in zip(s["done_ms"], s["nixl_floor_ms"], strict=True)]
     staged: dict[str, Any] = {}
     for key in ("d2h", "h2d"):
         timed = [x for x in s[f"{key}_ms"] if x == x]
         staged[key] = stats(timed, FULL) | {"reads": len(timed)} if timed else None
-    passes = sorted(set(s["pass"]))
     cold = reads[0]
-    verified = sum(r["verified"] for r in reads)
+    return base | {
+        "status": "ok",
+        "transfers": len(s["descs"]),
+        "blocks": stats(s["blocks"], ("p50", "p95", "p99", "max")),
+        "bytes": stats(s["bytes"], ("p50", "p95", "total")),
+        "descs_per_read": descs,
+        "list_floor": floor,
+        "descs_over_list_floor": div(descs["total"], floor["total"]),
+        "done_ms": done,
+        "time_floor_ms": full["floor_ms"],
+        **{k: full[k] for k in TIMES},
+        "vllm_ms": stats(own, FULL),
+        "over_nixl_floor_ms": stats(wait, FULL),
+        "done_over_floor": {
+            "p50": _median_ratio(s["done_ms"], s["floor_ms"]),
+            "total": div(done["total"], full["floor_ms"]["total"]),
+        },
+        "done_over_nixl_floor": {
+            "p50": _median_ratio(s["done_ms"], s["nixl_floor_ms"]),
+            "total": div(done["total"], full["nixl_floor_ms"]["total"]),
+        },
+        "staging_ms": staged,
+        "cold": {k: cold[k] for k in ("descs", "blocks", "fresh_agents")}
+        | {"ms": cold["done_ms"]},
+        "passes": [
+            {
+                "pass": p,
+                "done_p50": stats(
+                    [d for d, q in zip(s["done_ms"], s["pass"], strict=True) if q == p]
+                )["p50"],
+            }
+            for p in sorted(set(s["pass"]))
+        ],
+        **_verification(reads, notes),
+        "samples": {
+            k: [round(x, 4) if isinstance(x, float) else x for x in v]
+            for k, v in s.items()
+        },
+    }
+
+
+def _verification(reads: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
+    """The row's ``verification`` and ``notes``: byte checks and oddities."""
     ok = all(r["ok"] for r in reads) and not notes
-    coalesced = {r["coalesced"] for r in reads}
     notes = list(notes) + [n for r in reads for n in r["notes"]]
-    if base["read_list"] != base["registered"]["decoder"] and coalesced != {True}:
-        notes.append("the decoder's read list is coalesced but a READ was not")
-        ok = False
     merged = [
         (r["nixl_floor_descs"], r["list_floor"])
         for r in reads
@@ -190,56 +216,12 @@ def row_record(
             f"{len(merged)} NIXL floor READs posted other than one descriptor per "
             f"piece (e.g. {merged[0][0]} for {merged[0][1]})"
         )
-    if not cold["fresh_agents"]:
+    if not reads[0]["fresh_agents"]:
         notes.append("cold READ on agents that had already read")
-    return base | {
-        "status": "ok",
-        "transfers": len(s["descs"]),
-        "blocks": stats(s["blocks"], ("p50", "p95", "p99", "max")),
-        "bytes": stats(s["bytes"], ("p50", "p95", "total")),
-        "descs_per_read": descs,
-        "list_floor": floor,
-        "descs_over_list_floor": div(descs["total"], floor["total"]),
-        "done_ms": done,
-        "time_floor_ms": time_floor,
-        "nixl_floor_ms": nixl_floor,
-        "nixl_floor_no_notif_ms": stats(s["nixl_floor_no_notif_ms"], FULL),
-        "post_ms": stats(s["post_ms"], FULL),
-        "bare_post_ms": stats(s["bare_post_ms"], FULL),
-        "post_cpu_ms": stats(s["post_cpu_ms"], FULL),
-        "bare_post_cpu_ms": stats(s["bare_post_cpu_ms"], FULL),
-        "vllm_ms": stats(own, FULL),
-        "over_nixl_floor_ms": stats(wait, FULL),
-        "done_over_floor": {
-            "p50": _median_ratio(s["done_ms"], s["floor_ms"]),
-            "total": div(done["total"], time_floor["total"]),
-        },
-        "done_over_nixl_floor": {
-            "p50": _median_ratio(s["done_ms"], s["nixl_floor_ms"]),
-            "total": div(done["total"], nixl_floor["total"]),
-        },
-        "staging_ms": staged,
-        "cold": {
-            "ms": cold["done_ms"],
-            "descs": cold["descs"],
-            "blocks": cold["blocks"],
-            "fresh_agents": cold["fresh_agents"],
-        },
-        "passes": [
-            {
-                "pass": p,
-                "done_p50": stats(
-                    [d for d, q in zip(s["done_ms"], s["pass"], strict=True) if q == p]
-                )["p50"],
-            }
-            for p in passes
-        ],
+    verified = sum(r["verified"] for r in reads)
+    return {
         "verification": {"reads_verified": verified, "bytes_verified": ok},
         "notes": notes,
-        "samples": {
-            k: [round(x, 4) if isinstance(x, float) else x for x in v]
-            for k, v in s.items()
-        },
     }
 
 
@@ -287,15 +269,6 @@ def add_vs_stock(rows: list[dict[str, Any]]) -> None:
         by_pass = {p["pass"]: p["done_p50"] for p in base["passes"]}
         for p in row["passes"]:
             p["vs_stock_done_p50"] = div(p["done_p50"], by_pass.get(p["pass"]))
-
-
-def spread(values: Sequence[float | None]) -> float | None:
-    """Largest relative distance of a value from the values' median."""
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if len(vals) < 2:
-        return None
-    mid = float(np.median(vals))
-    return max(abs(v / mid - 1.0) for v in vals) if mid else None
 
 
 def texts(
@@ -351,3 +324,83 @@ def texts(
             + ("all matched." if all_ok else "MISMATCHES (see notes)."),
         },
     }
+
+
+def payload(
+    job: Any, rows: list[dict[str, Any]], mixed: list[dict[str, Any]], command: str
+) -> dict[str, Any]:
+    """The JSON the job writes (schema in the module docstring)."""
+    import torch
+
+    from forktools.bench.report import SCHEMA  # report imports no job module
+
+    args = job.args
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    rig = job_rig.QUIET_RIG + " " + job_rig.idle_text(job.idle)
+    return {
+        "benchmark": "nixl_main_job",
+        "schema": SCHEMA,
+        "written_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "written_by": os.environ.get("MAIN_JOB_COMMAND", command),
+        "command": command,
+        "config": config
+        | {
+            "scenarios": [s.key for s in args.scenarios],
+            "layout_blocks": job.layout_blocks,
+        },
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "nixl": package_version("nixl"),
+            "cpus": os.cpu_count(),
+            "ucx_tls": sorted({f["ucx_tls"] for f in job.facts.values()}),
+            "loadavg_end": os.getloadavg(),
+            "machine": platform.machine(),
+        },
+        **texts(args, rows, job.raw, job.list_records, job.layout_blocks, rig),
+        "series": {
+            "head": job.series.head,
+            "base_tag": job.series.base_tag,
+            "no_row": job.series.no_row,
+            "variants": [v.record() for v in job.chosen],
+        },
+        "facts": job.facts,
+        "idle_agent": job.idle,
+        "projection": PROJECTION,
+        "definitions": DEFINITIONS,
+        "lists": job.list_records,
+        # Lists replayed at a scenario's own block size (model_block_tokens).
+        "lists_by_block_tokens": {
+            str(tokens): {"layout_blocks": blocks, "lists": records}
+            for tokens, (_, records, blocks) in job.by_block_tokens.items()
+        },
+        "scenarios": [
+            {
+                "key": s.key,
+                "short": s.short,
+                "label": s.label,
+                "prefiller": s.prefiller,
+                "decoder": s.decoder,
+                "pairings": [p.label for p in s.pairings],
+                "synthetic_layout": s.synthetic_layout,
+                "rows": list(s.rows or ()),
+                "description": s.description,
+            }
+            for s in args.scenarios
+        ],
+        "rows": rows,
+        # Rows that need a parked patch (job_parked.py): listed, not run.
+        "parked": job.parked,
+        "rolling_upgrade": {"text": MIXED_PAIR_TEXT, "rows": mixed},
+        "timing": job.timing,
+        "noise": NOISE.counts(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The main job's rolling-upgrade scenario: P and D from different trees.
+"""The main job's mixed pairs: P and D from different trees.
 
 A fleet upgrades one instance at a time, so for a while a stock prefiller
 (the release of ``series/release.toml``) serves a patched decoder and the
@@ -33,13 +33,7 @@ from typing import Any
 import numpy as np
 
 from checks.cross_tree import Config, Processes
-
-try:
-    from forktools.manifest import (
-        VLLM_VERSION,  # forktools/manifest.py: series/release.toml
-    )
-except ImportError:  # tools/ not on sys.path
-    VLLM_VERSION = "release"
+from forktools.manifest import VLLM_VERSION
 
 MODEL = "glm53-mtp"
 # (prefiller tree, decoder tree): stock + stock first, the oracle.
@@ -72,7 +66,7 @@ def _stats(values: list[int]) -> dict[str, float]:
     }
 
 
-def run_upgrade(
+def run_mixed_pairs(
     trees: dict[str, Path],
     transfers: dict[str, list[Any]],
     geometry: dict[str, int],
@@ -94,7 +88,7 @@ def run_upgrade(
         for p_tree, d_tree in PAIRS:
             row = _pair(procs, p_tree, d_tree, transfers, geometry)
             note(
-                f"rolling-upgrade {p_tree} P -> {d_tree} D: "
+                f"mixed pair {p_tree} P -> {d_tree} D: "
                 + (row.get("error") or f"{row['reads']} READs")
             )
             rows.append(row)

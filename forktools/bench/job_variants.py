@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from forktools.paths import PREFIX_DIR, ROOT, TREE
@@ -67,15 +67,8 @@ class Variant:
 
     def record(self) -> dict[str, object]:
         """The variant as the JSON has it."""
-        return {
-            "key": self.key,
-            "label": self.label,
-            "commit": self.commit,
-            "tree": str(self.tree.relative_to(ROOT)),
-            "patches": list(self.patches),
-            "subject": self.subject,
-            "series": self.series,
-        }
+        tree = str(self.tree.relative_to(ROOT))
+        return asdict(self) | {"tree": tree, "patches": list(self.patches)}
 
 
 @dataclass
@@ -120,13 +113,6 @@ def manifest_numbers() -> dict[str, str]:
     return {t["name"]: f"{n:04d}" for n, t in enumerate(tables, 1) if "name" in t}
 
 
-def _base_tag() -> str:
-    """The release tag of ``series/release.toml`` (``v0.34.0``)."""
-    from forktools.manifest import BASE_TAG  # forktools/manifest.py
-
-    return BASE_TAG
-
-
 def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
     """Stock and the code prefixes of the series (no worktrees yet).
 
@@ -134,7 +120,7 @@ def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
     (``series/release.toml``, ``manifest.BASE_TAG``).
     """
     if base_tag is None:
-        base_tag = _base_tag()
+        from forktools.manifest import BASE_TAG as base_tag
     if not (tree / ".git").exists():
         raise RuntimeError(
             f"{tree} is no git tree: run `python3 -m forktools.fork build`"
@@ -173,15 +159,7 @@ def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
         )
     last = variants[-1]
     if last.key != "stock":
-        variants[-1] = Variant(
-            last.key,
-            f"{last.label} (series)",
-            last.commit,
-            last.tree,
-            last.patches,
-            last.subject,
-            series=True,
-        )
+        variants[-1] = replace(last, label=f"{last.label} (series)", series=True)
     dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
     return Series(head, base_tag, variants, no_row=no_row, dirty=dirty)
 

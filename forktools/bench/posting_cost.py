@@ -82,7 +82,7 @@ def child(reads: int, warmup: int) -> dict[str, Any]:
             for _ in "PD"
         ]
         prefill, decode = (
-            make_zoo_worker(layout, engine_id=f"{side}-{name}", coalesce=True)
+            make_zoo_worker(layout, engine_id=f"{side}-{name}")
             for layout, side in zip(layouts, "PD", strict=True)
         )
         connect(decode, prefill)

@@ -1,22 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tables of the main job, rendered from its JSON only.
+"""Tables of the main job, rendered from its JSON only (nothing measured here).
 
-``forktools/bench/nixl_main_job.py`` writes ``build/bench/nixl_descriptors.json``
-(schema in its module docstring) and prints ``render_text`` of what it wrote.
-``render_markdown(json_path)`` gives the same figures as Markdown tables for
-the README and the PR descriptions, naming the JSON file and when it was
-written; ``forktools/docs_tables.py`` uses ``render_tables``. Nothing here
-measures anything. The tables:
-
-- descriptors: per row (scenario, pairing, variant) the layout, regions,
-  registered descriptors, descriptors per READ against the list floor;
-- time (measured): done per READ against the memmove and the NIXL floor,
-  vLLM's own CPU per READ (post - bare post), staging copies, cold READ, ratios to
-  the row group's stock row;
-- PROJECTION (not measured): descriptors per READ converted to post time with
-  the per-descriptor costs upstream published for GPUs, with the sources;
-- spread (``--repeat``, or several JSON files): every done ratio vs stock per
-  pass or run, and how far they are apart.
+``nixl_main_job.py`` writes ``build/bench/nixl_descriptors.json`` (schema in
+its docstring) and prints ``render_text`` of it; ``render_markdown`` gives the
+same figures as Markdown for the README and PR descriptions, and
+``forktools/docs_tables.py`` uses ``render_tables``. Tables: descriptors
+against the list floor; time against the memmove and NIXL floors; the
+PROJECTION to GPUs from published costs; the mixed pairs; the spread of the
+done ratios (``report_spread.py``).
 
     python -m forktools.bench.report [JSON] [--text]
     python -m forktools.bench.report --spread RUN1.json RUN2.json RUN3.json
@@ -33,15 +24,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from forktools.bench.report_legend import (
+    legend,
+    parked_lines,
+    projection_notes,
+    series_lines,
+)
+from forktools.bench.report_spread import (
+    SPREAD_HEAD,
+    SPREAD_PAIRED_HEAD,
+    scenario_label,
+    spread_rows,
+)
 from forktools.paths import BENCH_OUT, ROOT
 from forktools.tables import markdown_rows, num, ratio
 
 DEFAULT_JSON = BENCH_OUT / "nixl_descriptors.json"
 SCHEMA = 4
-SPREAD_BOUND = 0.10
 # A terminal's width: the terminal report's tables and lines fit it. A wider
 # table is split into column groups, each repeating the row's first columns.
 TERMINAL = 160
+P3 = ("p50", "p95", "p99")
 
 
 def load(json_path: str | Path) -> dict[str, Any]:
@@ -61,7 +64,8 @@ def _ms(value: float | None) -> str:
     return f"{value:,.{1 if value >= 10 else 2}f}"
 
 
-def _trio(stats: dict[str, Any] | None, fmt: Any = num, keys=("p50", "p95", "p99")):
+def trio(stats: dict[str, Any] | None, fmt: Any = num, keys: Sequence[str] = P3) -> str:
+    """``p50 / p95 / p99`` (or ``keys``) of a distribution, or ``-``."""
     if not stats:
         return "-"
     return " / ".join(fmt(stats[k]) for k in keys)
@@ -71,14 +75,12 @@ def _side(reg: dict[str, Any] | None) -> str:
     return f"{reg['descriptors']:,} ({reg['regions']})" if reg else "-"
 
 
-def _regions(r: dict[str, Any]) -> str:
+def regions(r: dict[str, Any]) -> str:
+    """``regions P / D`` of a row's registration, or ``-``."""
     if not r.get("registered"):
         return "-"
-    d = r["registered"]["decoder"]["regions"]
-    read = (r.get("read_list") or {}).get("regions", d)
-    return f"{r['registered']['prefiller']['regions']} / {d}" + (
-        f" -> {read}" if read != d else ""
-    )
+    reg = r["registered"]
+    return f"{reg['prefiller']['regions']} / {reg['decoder']['regions']}"
 
 
 def _staging(r: dict[str, Any]) -> str:
@@ -88,11 +90,6 @@ def _staging(r: dict[str, Any]) -> str:
         if s.get(key):
             parts.append(f"{key} {_ms(s[key]['p50'])} / {_ms(s[key]['p95'])}")
     return ", ".join(parts) or "-"
-
-
-def _scenario(s: dict[str, Any]) -> str:
-    """The scenario column: position and key, SYNTHETIC layouts marked."""
-    return f"{s['short']} {s['key']}" + (" SYNTHETIC" if s["synthetic_layout"] else "")
 
 
 def short_label(r: dict[str, Any]) -> str:
@@ -118,7 +115,7 @@ def failure_notes(payload: dict[str, Any]) -> list[str]:
     """Why a row has no figures: its message, out of the tables' cells."""
     by_key = {s["key"]: s for s in payload["scenarios"]}
     return [
-        f"{_scenario(by_key[r['scenario']])} {r['label']}: {r['status']}: "
+        f"{scenario_label(by_key[r['scenario']])} {r['label']}: {r['status']}: "
         f"{r.get('error', '')}"
         for r in payload["rows"]
         if r["status"] != "ok" and r.get("error")
@@ -177,39 +174,35 @@ def _failed(r: dict[str, Any], width: int) -> tuple[str, ...]:
 
 
 def _desc_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
-    head = (_scenario(s), r["label"], r["switches"]["layout"] or "-")
-    if r["status"] != "ok":
-        cells = (
-            _regions(r),
-            _side((r.get("registered") or {}).get("prefiller")),
-            _side((r.get("registered") or {}).get("decoder")),
-        )
-        return (*head, *cells, *_failed(r, 3))
-    return (
-        *head,
-        _regions(r),
-        _side(r["registered"]["prefiller"]),
-        _side(r["registered"]["decoder"]),
-        _trio(r["descs_per_read"]),
-        _trio(r["list_floor"]),
-        ratio(r["descs_over_list_floor"]),
+    reg = r.get("registered") or {}
+    cells = (
+        scenario_label(s),
+        r["label"],
+        r["switches"]["layout"] or "-",
+        regions(r),
+        _side(reg.get("prefiller")),
+        _side(reg.get("decoder")),
     )
+    if r["status"] != "ok":
+        return (*cells, *_failed(r, 3))
+    floor = ratio(r["descs_over_list_floor"])
+    return (*cells, trio(r["descs_per_read"]), trio(r["list_floor"]), floor)
 
 
 def _time_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
-    head = (_scenario(s), r["label"])
+    head = (scenario_label(s), r["label"])
     if r["status"] != "ok":
         return (*head, *_failed(r, len(TIME_HEAD) - 2))
     vs = r.get("vs_stock") or {}
     return (
         *head,
-        _trio(r["done_ms"], _ms),
-        _trio(r["time_floor_ms"], _ms, ("p50", "p95")),
-        _trio(r["nixl_floor_ms"], _ms, ("p50", "p95")),
-        _trio(r.get("nixl_floor_no_notif_ms"), _ms, ("p50",)),
+        trio(r["done_ms"], _ms),
+        trio(r["time_floor_ms"], _ms, ("p50", "p95")),
+        trio(r["nixl_floor_ms"], _ms, ("p50", "p95")),
+        trio(r.get("nixl_floor_no_notif_ms"), _ms, ("p50",)),
         ratio(r["done_over_floor"]["p50"], 1),
         ratio(r["done_over_nixl_floor"]["p50"], 1),
-        _trio(r["vllm_ms"], _ms, ("p50", "p95")),
+        trio(r["vllm_ms"], _ms, ("p50", "p95")),
         _staging(r),
         _ms(r["cold"]["ms"]) + ("" if r["cold"]["fresh_agents"] else "*"),
         f"{ratio(vs.get('descs_p50'), 3)}, {ratio(vs.get('done_p50'), 3)}",
@@ -225,7 +218,7 @@ def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...] | None
         return _ms((r.get(key) or {}).get("p50"))
 
     return (
-        _scenario(s),
+        scenario_label(s),
         r["label"],
         p50("done_ms"),
         p50("post_ms"),
@@ -241,7 +234,7 @@ def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...] | None
 def _proj_cells(
     s: dict[str, Any], r: dict[str, Any], proj: dict[str, Any]
 ) -> tuple[str, ...]:
-    head = (_scenario(s), r["label"])
+    head = (scenario_label(s), r["label"])
     if r["status"] != "ok":
         return (*head, *_failed(r, len(PROJ_HEAD) - 2))
     lo, hi = proj["us_per_desc"]["low"], proj["us_per_desc"]["high"]
@@ -252,115 +245,7 @@ def _proj_cells(
         return f"{_ms(descs * lo / 1e3)} - {_ms(descs * hi / 1e3)}"
 
     d = r["descs_per_read"]
-    return (*head, _trio(d, num, ("p50", "p95")), post(d["p50"]), post(d["p95"]))
-
-
-def _proj_notes(payload: dict[str, Any]) -> list[str]:
-    proj = payload["projection"]
-    lo, hi = proj["us_per_desc"]["low"], proj["us_per_desc"]["high"]
-    lines = [
-        f"{proj['label']}: descs/READ x {lo:.2f} - {hi:.2f} us per descriptor "
-        "posted. Sources:"
-    ]
-    lines += [
-        f"    {src['ref']} (<{src['url']}>): {src['text']}" for src in proj["sources"]
-    ]
-    lines.append(f"    {proj['assumption']}")
-    return lines
-
-
-def spread_rows(payloads: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
-    """Done p50 vs stock per pass (one payload) or per run (several)."""
-    if len(payloads) == 1:
-        runs = [
-            {
-                (r["scenario"], r["pairing"], r["variant"]): p.get("vs_stock_done_p50")
-                for r in payloads[0]["rows"]
-                if r["status"] == "ok"
-                for p in r["passes"]
-                if p["pass"] == n
-            }
-            for n in range(payloads[0]["config"]["repeat"])
-        ]
-    else:
-        runs = [
-            {
-                (r["scenario"], r["pairing"], r["variant"]): (
-                    r.get("vs_stock") or {}
-                ).get("done_p50")
-                for r in p["rows"]
-                if r["status"] == "ok"
-            }
-            for p in payloads
-        ]
-    paired = [_paired_ratios(p) for p in payloads] if len(payloads) > 1 else []
-    scen = {s["key"]: s for s in payloads[0]["scenarios"]}
-    out = []
-    for r in payloads[0]["rows"]:
-        key = (r["scenario"], r["pairing"], r["variant"])
-        if r["status"] != "ok" or r["variant"] == "stock":
-            continue
-        cells: tuple[str, ...] = ()
-        for values in ([run.get(key) for run in runs], [p.get(key) for p in paired]):
-            if not values:
-                continue
-            far = _spread([v for v in values if v is not None])
-            cells += (
-                ", ".join(ratio(v, 3) for v in values),
-                "n/a" if far is None else f"+-{100 * far:.1f}%",
-                "n/a" if far is None else ("yes" if far <= SPREAD_BOUND else "NO"),
-            )
-        out.append((_scenario(scen[r["scenario"]]), r["label"], *cells))
-    return out
-
-
-def _spread(values: Sequence[float]) -> float | None:
-    """Largest distance of a value from the values' median (upper middle)."""
-    mid = sorted(values)[len(values) // 2] if values else None
-    return max(abs(v / mid - 1) for v in values) if mid else None
-
-
-def _paired_ratios(payload: dict[str, Any]) -> dict[tuple[str, str, str], float]:
-    """Per row: median over its READs of done / stock's done of the same READ.
-
-    Every variant of a scenario reads the same requests in the same order, so
-    READ ``i`` of a row and of stock's row move the same blocks; pairing them
-    takes the spread of READ sizes out of the ratio.
-    """
-    rows = [r for r in payload["rows"] if r["status"] == "ok"]
-    stock = {(r["scenario"], r["pairing"]): r for r in rows if r["variant"] == "stock"}
-    out = {}
-    for r in rows:
-        base = stock.get((r["scenario"], r["pairing"]))
-        if base is None or r is base:
-            continue
-        ratios = [
-            a / b
-            for a, b in zip(
-                r["samples"]["done_ms"], base["samples"]["done_ms"], strict=True
-            )
-            if b > 0
-        ]
-        if ratios:
-            out[r["scenario"], r["pairing"], r["variant"]] = float(
-                sorted(ratios)[len(ratios) // 2]
-            )
-    return out
-
-
-SPREAD_HEAD = (
-    "scenario",
-    "variant",
-    "done p50 vs stock, per run",
-    "largest distance from their median",
-    "within +-10%",
-)
-# Several runs: the same for the paired ratio (_paired_ratios).
-SPREAD_PAIRED_HEAD = (
-    "paired: median of done / stock's same READ, per run",
-    "largest distance",
-    "within +-10%",
-)
+    return (*head, trio(d, num, ("p50", "p95")), post(d["p50"]), post(d["p95"]))
 
 
 def _fixed(rows: Sequence[Sequence[str]], left: set[int], keep: int = 2) -> list[str]:
@@ -400,79 +285,6 @@ def _wrap(line: str, width: int = TERMINAL) -> list[str]:
     ) or [line]
 
 
-def _legend(payload: dict[str, Any]) -> list[str]:
-    """Scenario descriptions, then each row's levers (indented)."""
-    lines = []
-    facts = payload["facts"]
-    for s in payload["scenarios"]:
-        base = payload["series"]["base_tag"].lstrip("v")
-        tag = (
-            f" (vLLM {base}'s allocator never builds this layout)"
-            if s["synthetic_layout"]
-            else ""
-        )
-        lines.append(f"{_scenario(s)}: {s['label']}: {s['description']}{tag}.")
-        if s.get("rows"):
-            parked = {
-                p["name"] for p in (payload.get("parked") or {}).get("patches", [])
-            }
-            built = [n for n in s["rows"] if n not in parked]
-            held = [n for n in s["rows"] if n in parked]
-            text = "    Rows: stock and the series"
-            if built:
-                text = (
-                    "    Rows: stock, the prefix through "
-                    + " and through ".join(built)
-                    + " (the patches that introduced this read path) and the "
-                    "series; the other prefixes are left out to keep the job short"
-                )
-            if held:
-                text += (
-                    "; the prefixes through "
-                    + " and through ".join(held)
-                    + " (which introduced this read path) are parked: no row "
-                    "until built"
-                )
-            lines.append(text + ".")
-        for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
-            sw = r["switches"]
-            layout = r["layout"] or {}
-            res = facts.get(r["variant"], {}).get("resolution", {}).get(s["key"])
-            resolved = ""
-            if res and "error" in res:
-                resolved = f" (layout resolution failed: {res['error']})"
-            elif res:
-                resolved = (
-                    f" (resolved {res['resolved']}: supported "
-                    f"{'/'.join(res['supported'])}, connector {res['connector']})"
-                )
-            lines.append(
-                f"    {r['label']}: {layout.get('prefiller', '?')} -> "
-                f"{layout.get('decoder', '?')}{resolved}; order {sw['order']}, pool "
-                f"{sw['pool']}, read {sw['read']}, staging {sw['staging']}"
-            )
-    return lines
-
-
-def _series_lines(payload: dict[str, Any]) -> list[str]:
-    series = payload["series"]
-    lines = [
-        "Variants (each its own worktree of build/vllm, "
-        f"series HEAD {series['head'][:12]}): "
-        + "; ".join(
-            f"{v['key']} = {v['tree']} @ {v['commit'][:12]}" for v in series["variants"]
-        )
-        + "."
-    ]
-    if series["no_row"]:
-        lines.append(
-            "No row of their own (they change nothing under vllm/): "
-            + ", ".join(series["no_row"])
-            + "."
-        )
-    return lines
-
-
 def _notes(payload: dict[str, Any]) -> list[str]:
     return [
         f"{r['scenario']}/{r['label']}: {note}"
@@ -493,7 +305,7 @@ def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
     )
 
 
-UPGRADE_HEAD = (
+MIXED_HEAD = (
     "prefiller",
     "decoder",
     "layouts P / D",
@@ -507,11 +319,11 @@ UPGRADE_HEAD = (
 )
 
 
-def _upgrade_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    """One rolling-upgrade pair: descriptors next to stock + stock's."""
+def _mixed_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """One mixed pair: descriptors next to stock + stock's."""
     head = (r["prefiller"], r["decoder"])
     if r["status"] not in ("ok", "wrong bytes"):
-        return (*head, *_failed(r, len(UPGRADE_HEAD) - 2))
+        return (*head, *_failed(r, len(MIXED_HEAD) - 2))
     oracle = rows[0]["descs_per_read"]["total"] if rows[0].get("reads") else None
     total = r["descs_per_read"]["total"]
     return (
@@ -519,7 +331,7 @@ def _upgrade_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, 
         " / ".join(r["layouts"]),
         " / ".join(num(n) for n in r["regions"]),
         num(r["reads"]),
-        _trio(r["descs_per_read"]),
+        trio(r["descs_per_read"]),
         f"{num(total)} / {ratio(total / oracle) if oracle else '-'}",
         f"{num(r['pages'])} ({num(r['page_bytes'])})",
         num(r["wrong_pages"]),
@@ -528,13 +340,13 @@ def _upgrade_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, 
 
 
 def upgrade_lines(payload: dict[str, Any], fmt: Any) -> list[str]:
-    """The rolling-upgrade table (``job_upgrade.py``), if the job ran it."""
+    """The mixed-pair table (``job_upgrade.py``), if the job ran it."""
     rows = payload.get("rolling_upgrade", {}).get("rows")
     if not rows:
         return []
     text = payload["rolling_upgrade"]["text"]
     lines = ["Mixed pair (P and D from different trees)", "", text, ""]
-    return lines + fmt([UPGRADE_HEAD, *(_upgrade_cells(r, rows) for r in rows)])
+    return lines + fmt([MIXED_HEAD, *(_mixed_cells(r, rows) for r in rows)])
 
 
 def _tables(payload: dict[str, Any], fmt: Any, short: bool = False) -> list[str]:
@@ -563,41 +375,11 @@ def _tables(payload: dict[str, Any], fmt: Any, short: bool = False) -> list[str]
         lines += fmt([SPLIT_HEAD, *split])
     lines += ["", f"{proj['label']}: post time on GPUs from published costs", ""]
     lines += fmt([PROJ_HEAD, *(_proj_cells(s, r, proj) for s, r in rows)])
-    upgrade = upgrade_lines(payload, fmt)
-    lines += ["", *upgrade] if upgrade else []
+    mixed = upgrade_lines(payload, fmt)
+    lines += ["", *mixed] if mixed else []
     if payload["config"]["repeat"] > 1:
         lines += ["", f"Spread over {payload['config']['repeat']} passes", ""]
         lines += fmt([SPREAD_HEAD, *spread_rows([payload])])
-    return lines
-
-
-def parked_lines(payload: dict[str, Any], markdown: bool = False) -> list[str]:
-    """``parked: <scenario/row>: needs <patch>``: the rows that need a patch
-    series/manifest.toml parks (``job_parked.py``), the count first."""
-    parked = payload.get("parked") or {}
-    if not parked.get("rows"):
-        return []
-    lines = [
-        "",
-        f"Parked: {parked['count']} rows in {len(parked['rows'])} row groups need "
-        "patches series/manifest.toml parks (kept, not built, so not run):",
-        "",
-    ]
-    bullet = "- " if markdown else "  "
-    for row in parked["rows"]:
-        # Long lists by number (the names follow, per reason).
-        short = len(row["needs"]) > 3
-        needs = ", ".join(
-            (label.split(" ", 1)[0] if short else label)
-            + (f" ({row['what'][label]})" if label in row["what"] else "")
-            for label in row["needs"]
-        )
-        lines.append(f"{bullet}parked: {row['where']}: needs {needs}")
-    reasons: dict[str, list[str]] = {}
-    for patch in parked["patches"]:
-        reasons.setdefault(patch["reason"], []).append(patch["label"])
-    for reason, labels in reasons.items():
-        lines.append(f"{bullet}parked patches ({reason}): {', '.join(labels)}")
     return lines
 
 
@@ -616,10 +398,10 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
         payload["rig"],
         payload["lists_summary"],
         payload["verification"]["text"],
-        *_series_lines(payload),
+        *series_lines(payload),
         "",
     ]
-    lines += _legend(payload) + [""]
+    lines += legend(payload) + [""]
     lines += [
         "Rows are labelled stock or by the prefix of the series they run "
         "(0001-0003: patches 0001 to 0003); the patch names are in the legend "
@@ -629,7 +411,7 @@ def render_text(payload: dict[str, Any], json_path: str | Path | None = None) ->
     lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}), short=True)
     lines += _failure_lines(payload, markdown=False)
     lines += parked_lines(payload)
-    lines += ["", *_proj_notes(payload)]
+    lines += ["", *projection_notes(payload)]
     lines += [f"{name}: {text}" for name, text in payload["definitions"].items()]
     notes = _notes(payload)
     if notes:
@@ -658,10 +440,10 @@ def render_tables(payload: dict[str, Any]) -> list[str]:
     lines.append("")
     lines += [
         f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
-        for line in [*_legend(payload), *_proj_notes(payload)]
+        for line in [*legend(payload), *projection_notes(payload)]
     ]
     lines += [f"- {name}: {text}" for name, text in payload["definitions"].items()]
-    lines += [f"- {line}" for line in _series_lines(payload)]
+    lines += [f"- {line}" for line in series_lines(payload)]
     return lines
 
 

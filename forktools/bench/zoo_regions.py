@@ -11,9 +11,9 @@ process of its own tree:
   ``build/prefixes/v<version>`` of ``series/release.toml`` by default, made
   when missing): per-layer host staging buffers, standard reads;
 - series: the fork as built (``--fork``, ``build/vllm``): with the layout
-  stack, host staging mirroring single-group MLA rows and coalesced reads on
-  the decoder. While ``series/manifest.toml`` parks those patches the column
-  is the built series' and the lines ``parked: ...`` name what it lacks.
+  stack and host staging mirroring single-group MLA rows. While
+  ``series/manifest.toml`` parks those patches the column is the built
+  series' and the lines ``parked: ...`` name what it lacks.
 
 and print the regions each side registers, the regions the decoder reads and,
 where a side stages, the host bytes per block it allocates for staging (the
@@ -36,17 +36,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from forktools.paths import ROOT
+from forktools.paths import PREFIX_DIR, ROOT, TREE
 
 # Exit status of a run whose checks/ code does not work on a tree yet.
 PARKED = 75
 # Patches whose figures the series column shows once built (mirrored host
-# staging, coalesced reads, page reads into rows).
-SERIES_FEATURES = (
-    "nixl-row-page-reads",
-    "nixl-mirrored-host-staging",
-    "nixl-coalesced-reads",
-)
+# staging, page reads into rows).
+SERIES_FEATURES = ("nixl-row-page-reads", "nixl-mirrored-host-staging")
 # A layout name with this suffix is built with its pages in another order
 # (``build_zoo_layout(permute_seed=1)``).
 PERMUTED = "@permuted"
@@ -84,7 +80,7 @@ PAIRS = [
 ]
 
 
-def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> Any:
+def _worker(zoo: Any, name: str, layers: int, engine_id: str) -> Any:
     """A recorded-NIXL worker of this process's tree."""
     base, _, tag = name.partition("@")
     layout = zoo.build_zoo_layout(
@@ -94,9 +90,7 @@ def _worker(zoo: Any, name: str, layers: int, engine_id: str, series: bool) -> A
         num_layers=None if base.startswith("dsv4") else layers,
         permute_seed=1 if f"@{tag}" == PERMUTED else None,
     )
-    worker = zoo.make_zoo_worker(
-        layout, engine_id=engine_id, coalesce=series, real_nixl=False
-    )
+    worker = zoo.make_zoo_worker(layout, engine_id=engine_id, real_nixl=False)
     return worker, layout
 
 
@@ -109,10 +103,10 @@ def _host_bytes_per_block(worker: Any, num_blocks: int) -> int:
     return sum(storages.values()) // num_blocks
 
 
-def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict:
+def _pair(zoo: Any, p_name: str, d_name: str, layers: int) -> dict:
     try:
-        prefill, _ = _worker(zoo, p_name, layers, "prefill", series)
-        decode, d_layout = _worker(zoo, d_name, layers, "decode", series)
+        prefill, _ = _worker(zoo, p_name, layers, "prefill")
+        decode, d_layout = _worker(zoo, d_name, layers, "decode")
     except Exception as e:  # noqa: BLE001 - the zoo cannot build it here
         # Shown in the table as failed, with the error (never dropped).
         last = f"{type(e).__name__}: {e}".splitlines()[0][:160]
@@ -133,14 +127,8 @@ def _pair(zoo: Any, p_name: str, d_name: str, layers: int, series: bool) -> dict
     }
     try:
         zoo.connect(decode, prefill)
-        reads = getattr(decode, "_coalesced_reads", {}).get(("prefill", 0))
-        if reads is None:
-            row["read_as"] = decode.num_regions
-        elif reads.plan is None:
-            # Page reads into rows: one local page region per peer region.
-            row["read_as"] = len(reads.group_ids[0])
-        else:
-            row["read_as"] = len(reads.plan.runs)
+        # The regions the decoder reads (docs_tables reads the key).
+        row["read_as"] = decode.num_regions
         row["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - the worker refuses this pair
         row["read_as"] = None
@@ -171,8 +159,7 @@ def _column(column: str, layers: int) -> int:
         return 0
 
     filter_library_handlers()
-    series = column == "series"
-    rows = [_pair(zoo, p, d, layers, series=series) for p, d in PAIRS]
+    rows = [_pair(zoo, p, d, layers) for p, d in PAIRS]
     hidden = sum(NOISE.hidden.values())
     print(json.dumps({"rows": rows, "hidden": hidden, "repeats": NOISE.repeats}))
     return 0
@@ -214,6 +201,36 @@ def _parked_features() -> list[str]:
     ]
 
 
+def _cell(side: dict) -> str:
+    if side["prefill_regions"] is None:
+        return side["status"]
+    regions = f"{side['prefill_regions']} / {side['decode_regions']}"
+    if side["read_as"] is None:
+        return f"{regions}, {side['status']}"
+    if side["read_as"] != side["decode_regions"]:
+        regions += f" -> {side['read_as']}"
+    if any(side.get("host_bytes_per_block", ())):
+        staged = " / ".join(f"{b:,}" for b in side["host_bytes_per_block"])
+        regions += f" (host B/block {staged})"
+    return regions
+
+
+def print_table(rows: list[dict[str, Any]], layers: int) -> None:
+    """The rows as a Markdown table: stock next to the series."""
+    print(
+        f"| P -> D ({layers} layers) | regions P / D (stock) | "
+        "regions P / D -> read (series) |"
+    )
+    print("| --- | --- | --- |")
+    for row in rows:
+        label = f"{row['prefill']} -> {row['decode']}".replace(
+            PERMUTED, " (pages permuted)"
+        )
+        if row["stock"]["synthetic"]:
+            label += " (SYNTHETIC)"
+        print(f"| {label} | {_cell(row['stock'])} | {_cell(row['series'])} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=78)
@@ -224,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="stock tree (default: build/prefixes/<release tag>, made when missing)",
     )
-    parser.add_argument("--fork", type=Path, default=ROOT / "build" / "vllm")
+    parser.add_argument("--fork", type=Path, default=TREE)
     parser.add_argument("--column", choices=["stock", "series"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.column:
         return _column(args.column, args.layers)
     if args.stock is None:
-        from forktools.bench.job_variants import PREFIX_DIR, discover, ensure_worktree
+        from forktools.bench.job_variants import discover, ensure_worktree
 
         stock = discover().variants[0]
         args.stock = PREFIX_DIR / stock.subject
@@ -245,50 +262,24 @@ def main(argv: list[str] | None = None) -> int:
         for reason in parked:
             print(f"parked: zoo regions ({reason})")
         return PARKED
-    rows = []
-    for (p_name, d_name), stock, series in zip(
-        PAIRS, columns["stock"]["rows"], columns["series"]["rows"], strict=True
-    ):
-        rows.append(
-            {
-                "prefill": p_name,
-                "decode": d_name,
-                "stock": stock,
-                "series": series,
-                # Flat keys of the older rows (forktools/docs_tables.py): the
-                # decoder's stock regions and how the series reads them.
-                "synthetic": stock["synthetic"],
-                "regions": stock["decode_regions"],
-                "read_as": series["read_as"],
-                "status": series["status"],
-            }
+    rows = [
+        {
+            "prefill": p_name,
+            "decode": d_name,
+            "stock": stock,
+            "series": series,
+            # Flat keys of the older rows (forktools/docs_tables.py): the
+            # decoder's stock regions and how the series reads them.
+            "synthetic": stock["synthetic"],
+            "regions": stock["decode_regions"],
+            "read_as": series["read_as"],
+            "status": series["status"],
+        }
+        for (p_name, d_name), stock, series in zip(
+            PAIRS, columns["stock"]["rows"], columns["series"]["rows"], strict=True
         )
-
-    def cell(side: dict) -> str:
-        if side["prefill_regions"] is None:
-            return side["status"]
-        regions = f"{side['prefill_regions']} / {side['decode_regions']}"
-        if side["read_as"] is None:
-            return f"{regions}, {side['status']}"
-        if side["read_as"] != side["decode_regions"]:
-            regions += f" -> {side['read_as']}"
-        if any(side.get("host_bytes_per_block", ())):
-            staged = " / ".join(f"{b:,}" for b in side["host_bytes_per_block"])
-            regions += f" (host B/block {staged})"
-        return regions
-
-    print(
-        f"| P -> D ({args.layers} layers) | regions P / D (stock) | "
-        "regions P / D -> read (series) |"
-    )
-    print("| --- | --- | --- |")
-    for row in rows:
-        label = f"{row['prefill']} -> {row['decode']}".replace(
-            PERMUTED, " (pages permuted)"
-        )
-        if row["stock"]["synthetic"]:
-            label += " (SYNTHETIC)"
-        print(f"| {label} | {cell(row['stock'])} | {cell(row['series'])} |")
+    ]
+    print_table(rows, args.layers)
     for line in _parked_features():
         print(line)
     if args.json:

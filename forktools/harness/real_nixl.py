@@ -5,52 +5,37 @@
 Workers get a real ``NixlWrapper`` (UCX backend); ``connect`` hands the
 prefill worker's advertised metadata to the decode worker the way the
 handshake does, and ``pull_request`` pulls one request through the decode
-worker's own read path (``_read_blocks_for_req``), so coalesced and standard
-reads are exercised exactly as in a deployment. The descriptor count comes
-from NIXL's transfer telemetry (the workers create their agents with
-``capture_telemetry=True``), so it is what NIXL actually posted.
-
-``verify_and_reset`` checks hand-built layouts (``row_layouts``)
-byte for byte: each local row of the request must equal its remote row over
-the pages, and every other byte of the decode side must still be zero.
+worker's own read path (``_read_blocks_for_req``), exactly as in a
+deployment. The descriptor count comes from NIXL's transfer telemetry (the
+workers create their agents with ``capture_telemetry=True``), so it is what
+NIXL actually posted.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forktools.harness.blocks import count_runs, run_slices
-from forktools.harness.row_layouts import BuiltLayout
+if TYPE_CHECKING:
+    from forktools.harness.zoo_plan import ZooLayout
 
 # The fill pattern repeats with a prime period longer than any block row here,
 # so no two rows of a storage hold the same bytes (a misplaced block shows).
 _PATTERN_PERIOD = (1 << 23) + 9
 
 
-def _rows(raw: torch.Tensor, offset: int, stride: int, num_blocks: int) -> torch.Tensor:
-    """View a raw storage as ``(num_blocks, stride)`` block rows."""
-    return raw[offset : offset + num_blocks * stride].view(num_blocks, stride)
-
-
-def fill_pattern(layout: BuiltLayout, seed: int = 0) -> None:
+def fill_pattern(layout: ZooLayout, seed: int = 0) -> None:
     """Fill every storage of a layout with seeded, never-zero bytes.
 
     A random period of ``_PATTERN_PERIOD`` bytes repeats through each storage,
     which is much cheaper than random bytes everywhere and still gives every
     row of a storage distinct contents.
-
-    Args:
-        layout: The layout whose raw storages are written in place.
-        seed: Seed of the byte pattern.
-
     """
     generator = torch.Generator().manual_seed(seed)
     for raw in layout.raws:
@@ -64,89 +49,10 @@ def fill_pattern(layout: BuiltLayout, seed: int = 0) -> None:
             chunk.copy_(period[: chunk.numel()])
 
 
-def zero(layout: BuiltLayout) -> None:
+def zero(layout: ZooLayout) -> None:
     """Zero every storage of a layout."""
     for raw in layout.raws:
         raw.zero_()
-
-
-def _any_nonzero(raw: torch.Tensor) -> bool:
-    """Whether a raw int8 storage holds any non-zero byte (fast path: int64)."""
-    if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0:
-        raw = raw.view(torch.int64)
-    return bool(torch.count_nonzero(raw))
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact byte equality, compared eight bytes at a time where possible."""
-    if (
-        a.is_contiguous()
-        and b.is_contiguous()
-        and a.numel() % 8 == 0
-        and a.data_ptr() % 8 == 0
-        and b.data_ptr() % 8 == 0
-    ):
-        a, b = a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64)
-    return torch.equal(a, b)
-
-
-def untouched(layout: BuiltLayout) -> bool:
-    """Whether every byte of a layout is zero."""
-    return not any(_any_nonzero(raw) for raw in layout.raws)
-
-
-def verify_and_reset(
-    local: BuiltLayout,
-    remote: BuiltLayout,
-    local_block_ids: Sequence[int],
-    remote_block_ids: Sequence[int],
-    *,
-    scan_untouched: bool = True,
-) -> tuple[bool, int]:
-    """Check a READ byte for byte, then zero the local side again.
-
-    Each local row ``local_block_ids[i]`` must equal remote row
-    ``remote_block_ids[i]`` over the row's pages (padding stays zero). The
-    local rows are then zeroed so the next READ starts from a clean side, and
-    with ``scan_untouched`` every local byte must be zero again, i.e. the READ
-    wrote nothing outside its rows. Without the scan, stray bytes stay behind
-    for a later ``untouched`` check to find.
-
-    Args:
-        local: The decode (reading) layout; all zero before the READ.
-        remote: The prefill layout the READ copied from.
-        local_block_ids: Local block ids, one per transferred block.
-        remote_block_ids: Remote block ids, in the same order.
-        scan_untouched: Scan the whole local side for stray bytes.
-
-    Returns:
-        ``(ok, bytes_compared)``.
-
-    """
-    assert len(local.storages) == len(remote.storages) == len(local.raws)
-    num_blocks = local.config.num_blocks
-    ok, compared = True, 0
-    runs = run_slices(local_block_ids, remote_block_ids)
-    for storage, remote_storage, raw, remote_raw in zip(
-        local.storages, remote.storages, local.raws, remote.raws, strict=False
-    ):
-        assert storage == remote_storage, "P and D layouts differ"
-        used = storage.stride - storage.pad
-        rows = _rows(raw, storage.offset, storage.stride, num_blocks)
-        remote_rows = _rows(remote_raw, storage.offset, storage.stride, num_blocks)
-        # Compare run by run on views: no gather copies of the request.
-        for local_start, remote_start, length in runs:
-            got = rows[local_start : local_start + length]
-            want = remote_rows[remote_start : remote_start + length]
-            ok &= _same_bytes(got[:, :used], want[:, :used])
-            if used < storage.stride:
-                ok &= not bool(got[:, used:].any())
-            compared += length * used
-            got.zero_()
-    if scan_untouched:
-        # Everything else, including padding and bytes before row 0.
-        ok &= untouched(local)
-    return ok, compared
 
 
 def cpu_copy_blocks(
@@ -167,26 +73,6 @@ def cpu_copy_blocks(
     dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
     for name, tensor in src.items():
         dst[name][dst_ids] = tensor[src_ids]
-
-
-# The scaled-down GLM-5.3-like row of the real-NIXL tests (CPU and GPU).
-NUM_BLOCKS = 256
-# Pages scaled down from GLM-5.3 (41,984 B MLA, 8,448 B indexer), 64 B aligned.
-MLA_PAGE = 64 * 11
-INDEXER_PAGE = 64 * 2
-NUM_MLA, NUM_INDEXER = 78, 23
-STOCK_REGIONS = NUM_MLA + NUM_INDEXER + 1
-
-
-def fragmented_block_ids(seed: int = 0) -> list[int]:
-    """Scattered single blocks plus a few runs of ``NUM_BLOCKS``, in order."""
-    rng = random.Random(seed)
-    runs = [range(40, 52), range(130, 133), range(200, 208)]
-    taken = {block for run in runs for block in run}
-    singles = rng.sample(sorted(set(range(NUM_BLOCKS)) - taken), 45)
-    ids = sorted(singles + sorted(taken))
-    assert count_runs(ids) < len(ids)
-    return ids
 
 
 def _probe_read() -> None:
@@ -233,7 +119,6 @@ def probe_real_nixl() -> str | None:
 
     Returns:
         ``None`` when a probe READ worked, else why not.
-
     """
     errors = []
     for tls in (os.environ.get("UCX_TLS"), "tcp"):
@@ -247,12 +132,6 @@ def probe_real_nixl() -> str | None:
     return "; ".join(errors)
 
 
-def shutdown(*workers) -> None:
-    """Release the workers' NIXL handles, remote agents and registrations."""
-    for worker in workers:
-        worker.shutdown()
-
-
 @dataclass(frozen=True)
 class PullResult:
     """What the decode worker's own read path posted for one request.
@@ -261,17 +140,14 @@ class PullResult:
         descriptors: Descriptors NIXL posted over all READs (telemetry).
         total_bytes: Bytes NIXL reported moving.
         reads: READ handles the worker created.
-        coalesced: Whether the worker used coalesced descriptors.
         done_s: Wall time from the call until every READ was DONE.
         post_s: Wall time of the ``_read_blocks_for_req`` call (the posting).
         post_cpu_s: The calling thread's CPU time in that call.
-
     """
 
     descriptors: int
     total_bytes: int
     reads: int
-    coalesced: bool
     done_s: float
     post_s: float = 0.0
     post_cpu_s: float = 0.0
@@ -342,12 +218,8 @@ def pull_request(
     blocks to its host buffers before the READ (``save_kv_to_host``), D copies
     what it read to its device caches after it (``sync_recved_kv_to_device``).
 
-    Returns:
-        The descriptor count and timing of the READs the worker posted.
-
     Raises:
         RuntimeError: A READ failed or did not finish in time.
-
     """
     engine_id = prefill.engine_id
     assert (0, remote_rank) in decode._remote_agents.get(engine_id, {}), (
@@ -394,8 +266,6 @@ def pull_request(
         descriptors=descriptors,
         total_bytes=total_bytes,
         reads=len(handles),
-        # Stock (the oracle) has no coalesced reads.
-        coalesced=bool(getattr(decode, "_coalesced_reads", None)),
         done_s=done - start,
         post_s=posted - start,
         post_cpu_s=posted_cpu - start_cpu,
@@ -415,10 +285,7 @@ def connect(
     Decodes the handshake payload exactly as ``_nixl_handshake`` does, calls
     ``add_remote_agent`` and records the agent the way the handshake does.
     ``edit`` may change the decoded metadata first (a peer that lies).
-
-    Returns:
-        The remote agent name.
-
+    Returns the remote agent name.
     """
     import msgspec
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (

@@ -21,13 +21,13 @@ import sys
 import time
 from types import ModuleType
 
+from checks.e2e.common import record_reads
 from forktools.paths import TEST_SITE
 
-_TEST_SITE = TEST_SITE
 exec(  # noqa: S102 - the project's own test site, run as its sitecustomize
     compile(
-        (_TEST_SITE / "sitecustomize.py").read_text(encoding="utf-8"),
-        str(_TEST_SITE / "sitecustomize.py"),
+        (TEST_SITE / "sitecustomize.py").read_text(encoding="utf-8"),
+        str(TEST_SITE / "sitecustomize.py"),
         "exec",
     )
 )
@@ -36,24 +36,12 @@ STATS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
 
 
 def _hook(module: ModuleType, out_dir: str) -> None:
-    cls = module.NixlKVConnectorStats
-    original = cls.record_transfer
+    def write(row: dict[str, object]) -> None:
+        path = os.path.join(out_dir, f"reads-{os.getpid()}.jsonl")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
 
-    def record_transfer(self, res):  # type: ignore[no-untyped-def]
-        if res is not None:
-            row = {
-                "time": time.time(),
-                "descriptors": int(res.descCount),
-                "bytes": int(res.totalBytes),
-                "post_ms": res.postDuration / 1e3,
-                "transfer_ms": res.xferDuration / 1e3,
-            }
-            path = os.path.join(out_dir, f"reads-{os.getpid()}.jsonl")
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-        return original(self, res)
-
-    cls.record_transfer = record_transfer
+    record_reads(module.NixlKVConnectorStats, write)
 
 
 class _ReadsFinder(importlib.abc.MetaPathFinder):
