@@ -322,8 +322,9 @@ class Child:
                 host_staging=True,
                 configure=staging.configure,
             )
+        # One engine per side: a prefiller's TP ranks share its engine id.
         made = self.zoo.make_zoo_worker(
-            layout, engine_id=f"{self.spec['key']}-{role}", **worker
+            layout, engine_id=f"{self.spec['key']}-{role[0]}", **worker
         )
         if stages and (not made.use_host_buffer or made.copy_blocks is None):
             raise RuntimeError(f"{role}: the worker does not stage")
