@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Numbers and Markdown tables, as every page, report and check prints them.
 
-One rounding rule: a whole value shows no decimals, any other value shows
-``digits`` of them (at least one), so a median of 15.5 descriptors stays
-15.5 and the ratios beside it read from the same number. Missing values
-(None, NaN) show as ``-``.
+One rounding rule: a value is rounded to ``digits`` decimals (at least
+one) and shown without them where it is then whole, so a median of 15.5
+descriptors stays 15.5 and the ratios beside it read from the same
+number. Missing values (None, NaN) show as ``-``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ def num(value: Any, digits: int = 1) -> str:
         return MISSING
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if float(value).is_integer():
-        return f"{int(value):,}"
-    return f"{value:,.{max(digits, 1)}f}"
+    digits = max(digits, 1)
+    if float(round(value, digits)).is_integer():
+        return f"{round(value):,}"
+    return f"{value:,.{digits}f}"
 
 
 def ratio(value: float | None, digits: int = 2) -> str:
