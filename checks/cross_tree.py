@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from forktools.paths import ROOT
+from forktools.paths import ROOT, tree_pythonpath
 
 # The request of ``run_killed``.
 KILLED_REQ = "req-killed"
@@ -290,19 +290,8 @@ def series_refusal(pair: Pair) -> str | None:
 
 
 def tree_env(tree: Path) -> dict[str, str]:
-    """This process's environment for a child that imports vLLM from ``tree``.
-
-    The tree replaces any vLLM tree on the parent's ``PYTHONPATH``; the
-    repository and the rest of the path (a test run's sitecustomize
-    directory) stay.
-    """
-    rest = [
-        entry
-        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
-    ]
-    path = [str(tree), *dict.fromkeys([str(ROOT), *rest])]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    """This process's environment for a child that imports vLLM from ``tree``."""
+    return dict(os.environ, PYTHONPATH=tree_pythonpath(tree))
 
 
 class Process:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,3 +24,19 @@ PREFIX_DIR = BUILD / "prefixes"
 
 TEST_SITE = TOOLS / "test_site"  # sitecustomize of every test process
 PLUGINS = TOOLS / "pytest_plugins"
+
+
+def tree_pythonpath(tree: Path | str | None) -> str:
+    """``PYTHONPATH`` for a child that imports vLLM from ``tree``.
+
+    The tree replaces any vLLM tree on this process's ``PYTHONPATH``; the
+    repository and the rest of the path (a test run's sitecustomize
+    directory) stay. Without a tree the child gets no vLLM tree at all.
+    """
+    rest = [
+        entry
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and not (Path(entry) / "vllm" / "__init__.py").is_file()
+    ]
+    first = [str(tree)] if tree else []
+    return os.pathsep.join([*first, *dict.fromkeys([str(ROOT), *rest])])

@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
+
+from forktools.paths import tree_pythonpath
 
 QUIET_RIG = (
     "Quiet rig: one process per variant (its own tree), each holding one P/D "
@@ -66,16 +67,6 @@ def idle_text(idle: dict[str, Any]) -> str:
 
 class ChildError(RuntimeError):
     """A command failed in a child process (its traceback is the message)."""
-
-
-def tree_pythonpath(tree: str | None) -> str:
-    """The parent's ``PYTHONPATH`` with ``tree`` first and no other vLLM tree."""
-    keep = [
-        p
-        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if p and not (Path(p) / "vllm" / "__init__.py").exists()
-    ]
-    return os.pathsep.join([tree, *keep] if tree else keep)
 
 
 @dataclass
