@@ -42,7 +42,6 @@ import json
 import random
 import statistics
 import time
-from functools import partial
 from operator import attrgetter
 from typing import Any
 
@@ -240,20 +239,7 @@ def bench_replay(
     args = module.build_parser().parse_args(argv)
     if not any(a == "--plot" or a.startswith("--plot=") for a in argv):
         args.plot = ""
-    captured: list[Any] = []
-    timed, report = module.timed_allocator, module.report
-
-    def capture(args, sims, single) -> None:
-        captured.extend(sims)
-        if show_report:
-            report(args, sims, single)
-
-    module.timed_allocator = partial(timed, clock=CLOCKS[clock_name])
-    module.report = capture
-    try:
-        module.main(args)
-    finally:
-        module.timed_allocator, module.report = timed, report
+    captured = module.main(args, clock=CLOCKS[clock_name], show=show_report)
     gc.enable()
     times = {sim.policy: sim.stats.alloc_ns["multi"] for sim in captured}
     runs = {sim.policy: sim.stats.runs for sim in captured}

@@ -196,13 +196,15 @@ def timed_allocator(
 class PoolSim:
     """One prefill rank: a scheduler loop around a real KVCacheManager."""
 
-    def __init__(self, args, policy: str) -> None:
+    def __init__(
+        self, args, policy: str, clock: Callable[[], int] = time.perf_counter_ns
+    ) -> None:
         self.args = args
         self.policy = policy
         self.manager = make_manager(args, policy)
         self.stats = PolicyStats()
         self.manager.block_pool.get_new_blocks = timed_allocator(  # type: ignore[method-assign]
-            self.manager.block_pool, self.stats
+            self.manager.block_pool, self.stats, clock
         )
         self.running: list[Running] = []
         self.held: deque[tuple[int, Request]] = deque()
@@ -324,14 +326,18 @@ def pct(values: list[int] | list[float], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)])
 
 
-def main(args) -> None:
+def main(
+    args, clock: Callable[[], int] = time.perf_counter_ns, show: bool = True
+) -> list[PoolSim]:
+    """Replay both pool orders, timing allocations with ``clock``; with
+    ``show``, print the report (and draw the plot ``args`` names)."""
     if args.quick:
         args.requests = min(args.requests, 250)
         args.warmup_requests = min(args.warmup_requests, 60)
     init_none_hash(sha256)
     rng = np.random.default_rng(args.seed)
     workload = Workload(args, rng)
-    sims = [PoolSim(args, policy) for policy in POLICIES]
+    sims = [PoolSim(args, policy, clock) for policy in POLICIES]
     # Collect garbage between steps only, so collector pauses never land
     # inside a timed allocation of one policy and not the other.
     gc.collect()
@@ -382,7 +388,9 @@ def main(args) -> None:
     gc.collect()
     single = single_block_microbench(sims, args.single_block_iters)
     gc.enable()
-    report(args, sims, single)
+    if show:
+        report(args, sims, single)
+    return sims
 
 
 def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
