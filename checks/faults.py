@@ -69,7 +69,6 @@ class Fault:
             its block count): bad input, to refuse before NIXL sees it.
         before_read: Done to the prefiller just before the READ is posted.
         abort: The scheduler aborts the request while its READ is in flight.
-        needs: The patches the fork needs to pass the case.
     """
 
     name: str
@@ -78,7 +77,6 @@ class Fault:
     remote: Callable[[Ids, int], Ids] | None = None
     before_read: Callable[[Any], None] | None = None
     abort: bool = False
-    needs: tuple[str, ...] = ()
 
     @property
     def bad_input(self) -> bool:
@@ -121,11 +119,10 @@ def _fewer_regions(meta: Any) -> None:
 
 
 # Bad remote block ids are refused before NIXL sees them (nothing posted, the
-# read path raising nothing) by the patch that checks them: on 0.34.0 without
+# read path raising nothing) by nixl-remote-block-id-checks: on 0.34.0 without
 # it, out-of-range ids reach NIXL, and a missing group list (IndexError) or
 # an empty one (AssertionError, ValueError on a HiSparse decoder) raise out
 # of the read path.
-IDS = ("nixl-remote-block-id-checks",)
 
 FAULTS = [
     Fault("none"),
@@ -135,10 +132,9 @@ FAULTS = [
     Fault(
         "remote-out-of-range",
         remote=lambda ids, blocks: [[b + blocks for b in group] for group in ids],
-        needs=IDS,
     ),
-    Fault("remote-group-missing", remote=lambda ids, _: ids[:-1], needs=IDS),
-    Fault("remote-empty", remote=lambda ids, _: [[] for _ in ids], needs=IDS),
+    Fault("remote-group-missing", remote=lambda ids, _: ids[:-1]),
+    Fault("remote-empty", remote=lambda ids, _: [[] for _ in ids]),
     Fault("meta-regions", meta=_fewer_regions),
     Fault(
         "meta-block-len",

@@ -72,9 +72,9 @@ _STAGING = "glm53-mtp+host-staging/BLHNC"
 # whose message contains the entry's hint (any message where it is None). A
 # wrong stock case not listed here fails the check, and so does a listed one
 # stock gets right, so the list stays true. Value: (what goes wrong, hint a
-# refusal must give, the patch of the series that fixes it or None). While
-# that patch is parked (or where there is none) the fork keeps stock's bug and
-# must move exactly stock's bytes (``fork_keeps_stock_bug``).
+# refusal must give, the patch of the series that fixes it or None). Where
+# there is none the fork keeps stock's bug and must move exactly stock's bytes
+# (``fork_keeps_stock_bug``).
 STOCK_CORRUPTS: dict[str, tuple[str, str | None, str | None]] = {
     # GQA block rows (BHLNC) whose layers P's and D's planners placed in
     # another order: 0.34.0 reads whole rows into rows of another order; every
@@ -112,14 +112,8 @@ FORK_REFUSES: dict[str, str] = {}
 
 
 def fork_keeps_stock_bug(name: str) -> bool:
-    """A stock bug the fork does not fix: none of the series' patches does,
-    or the one that does is parked (``checks.parked``)."""
-    from checks.parked import is_parked
-
-    if name not in STOCK_CORRUPTS:
-        return False
-    fix = STOCK_CORRUPTS[name][2]
-    return fix is None or is_parked(fix)
+    """A stock bug the fork does not fix: none of the series' patches does."""
+    return name in STOCK_CORRUPTS and STOCK_CORRUPTS[name][2] is None
 
 
 @dataclass(frozen=True)

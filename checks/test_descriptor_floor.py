@@ -26,7 +26,6 @@ import random
 
 import pytest
 
-from checks.parked import param
 from forktools.harness.layout_zoo import (
     build_zoo_layout,
     fill_pattern,
@@ -40,28 +39,23 @@ pytest.importorskip("nixl")
 NUM_BLOCKS = 512
 # (layout, regions: GLM-5.3 at 4 layers + the MTP layer; DeepSeek-V4 at 8 +
 # MTP, one whole row; V4.1 at 5: the row and, 0.34.0 keying regions by
-# (address, length), its compressor ring at byte 0 of the row), and the
-# parked patches a layout's floor needs: a staging side mirrored in one host
-# row; several groups' pairs merged across groups (posted in ascending
-# order). Measured on 0.34.0 without them: 10 staging regions, and the
-# DeepSeek-V4 rows post above the floor (21 descriptors where it is 13).
+# (address, length), its compressor ring at byte 0 of the row). The floors
+# need the series' patches: a staging side mirrored in one host row
+# (nixl-mirrored-host-staging); several groups' pairs merged across groups,
+# posted in ascending order (nixl-ordered-transfers). Measured on 0.34.0
+# without them: 10 staging regions, and the DeepSeek-V4 rows post above the
+# floor (21 descriptors where it is 13).
 LAYOUTS = [
-    param("glm53-mtp/BLHNC", 1),
-    param("glm53-mtp/LBNHC", 10),
-    param("glm53-mtp+host-staging/BLHNC", 1, patches=("nixl-mirrored-host-staging",)),
-    param("dsv4-mtp/BLHNC", 1, patches=("nixl-ordered-transfers",)),
-    param(
-        "dsv4-mtp+host-staging/BLHNC",
-        1,
-        patches=("nixl-ordered-transfers", "nixl-mirrored-host-staging"),
-    ),
-    param("dsv41/BLHNC", 2, patches=("nixl-ordered-transfers",)),
+    ("glm53-mtp/BLHNC", 1),
+    ("glm53-mtp/LBNHC", 10),
+    ("glm53-mtp+host-staging/BLHNC", 1),
+    ("dsv4-mtp/BLHNC", 1),
+    ("dsv4-mtp+host-staging/BLHNC", 1),
+    ("dsv41/BLHNC", 2),
 ]
-# The sorted policy is the block pool's (``sort_new_blocks``): its patch.
-POLICIES = [
-    param("queue"),
-    param("sorted", patches=("block-pool-sorted-allocation",)),
-]
+# The sorted policy is the block pool's (``sort_new_blocks``): its patch is
+# block-pool-sorted-allocation.
+POLICIES = ["queue", "sorted"]
 
 
 def churned_requests(

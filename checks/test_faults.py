@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("nixl")
 
 from checks.faults import CASES, Case, run_case  # noqa: E402
-from checks.parked import param  # noqa: E402
 from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 
@@ -40,27 +39,17 @@ def stock() -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize(
-    "case", [param(case, patches=case.fault.needs, id=case.name) for case in CASES]
-)
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_fault_is_reported_and_contained(stock: dict, case: Case):
     _check(case, run_case(case), stock[case.name])
 
 
 # The same cases as run on the prefixes of the series that introduced a read
-# path (forktools/run_tests.py writes them and names the files in PREFIX_FAULTS);
-# a prefix ending in a parked patch is not built: parked with it
-# (PARKED_FAULT_PREFIXES).
+# path (forktools/run_tests.py writes them and names the files in PREFIX_FAULTS).
 PREFIX_RUNS = [
     pytest.param(Path(path), id=Path(path).stem)
     for path in os.environ.get("PREFIX_FAULTS", "").split(os.pathsep)
     if path
-] + [
-    param(
-        Path(f"prefix_faults-{name}.json"), patches=(name,), id=f"prefix_faults-{name}"
-    )
-    for name in os.environ.get("PARKED_FAULT_PREFIXES", "").split(os.pathsep)
-    if name
 ]
 
 

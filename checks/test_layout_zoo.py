@@ -11,7 +11,6 @@ the pairing matrix (``test_pairing_matrix.py``).
 import pytest
 import torch
 
-from checks.parked import is_parked
 from forktools.harness.layout_zoo import (
     ZOO,
     ZooLayout,
@@ -32,10 +31,7 @@ MODEL_ROWS = {
     "dsv4-mtp/BLHNC": (1, 6),
     # The series' staging mirrors the row (stock: a dense host region per
     # layer view, 27).
-    "dsv4-mtp+host-staging/BLHNC": (
-        27 if is_parked("nixl-mirrored-host-staging") else 1,
-        6,
-    ),
+    "dsv4-mtp+host-staging/BLHNC": (1, 6),
     # 0.34.0 keys regions by (address, length): the compressor ring (32 KiB
     # pages) at byte 0 of the row is a region of its own.
     "dsv41/BLHNC": (2, 7),

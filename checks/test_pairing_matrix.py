@@ -32,7 +32,6 @@ from checks.pairing_matrix import (  # noqa: E402
     fork_keeps_stock_bug,
     run_case,
 )
-from checks.parked import is_parked  # noqa: E402
 from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 
@@ -70,17 +69,12 @@ def wrong(result: dict) -> list[str]:
 # device's: MLA layers whose views share one allocation and block stride (the
 # BLHNC rows here, DeepSeek-V4's row of several groups included). The zoo's
 # LBNHC MLA layouts (the DSA indexer's pages at another block stride) keep
-# per-layer buffers, as stock. (While its patch is parked the fork stages as
-# stock: none.)
-MIRRORED_STAGING = (
-    set()
-    if is_parked("nixl-mirrored-host-staging")
-    else {
-        "glm53-mtp+host-staging/BLHNC",
-        "dsv32+host-staging/BLHNC",
-        "dsv4-mtp+host-staging/BLHNC",
-    }
-)
+# per-layer buffers, as stock.
+MIRRORED_STAGING = {
+    "glm53-mtp+host-staging/BLHNC",
+    "dsv32+host-staging/BLHNC",
+    "dsv4-mtp+host-staging/BLHNC",
+}
 
 STEPS = ["register prefill", "register decode", "handshake", "read"]
 
@@ -121,8 +115,7 @@ def test_pair_matches_stock(stock: dict, case: Case):
         assert any(hint in got["message"] for hint in refused - {None}), got
         return
     if fork_keeps_stock_bug(name):
-        # Not fixed yet (or its fix is parked): exactly stock's outcome,
-        # bytes included.
+        # Not fixed yet: exactly stock's outcome, bytes included.
         assert stock_wrong and wrong(got) == stock_wrong, (wrong(got), stock_wrong)
         assert got["digest"] == want["digest"], f"{case.name}: decoder bytes != stock"
         return

@@ -36,25 +36,6 @@ def test_root_copies_are_the_built_tree_final_versions() -> None:
 
 
 ACTIVE = '[[patch]]\nname = "one"\n[[patch]]\nname = "two"\n[[patch]]\nname = "three"\n'
-PARKED = """
-[[patch]]
-name = "later"
-subject = "Parked: not built"
-files = ["vllm/parked.py"]
-diff = "series/diffs/0004-later.diff"
-stack = "layout"
-parked = "waits for a port"
-"""
-# A parked diff of the first patch's file that fits no version of it: never
-# applied, never reverse-applied.
-PARKED_DIFF = """\
-diff --git a/vllm/new.py b/vllm/new.py
---- a/vllm/new.py
-+++ b/vllm/new.py
-@@ -1 +1 @@
--no such line
-+nor this one
-"""
 NEW = "vllm/new.py"
 V1 = "def f():\n    return 1\n"
 V2 = "def f():\n    return 2\n\n\ndef g():\n    return 3\n"
@@ -73,9 +54,7 @@ def fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     repo = tmp_path / "repo"
     (repo / "series" / "diffs").mkdir(parents=True)
     (repo / "vllm").mkdir()
-    (repo / "vllm" / "parked.py").write_text("parked = True\n")
-    (repo / "series" / "diffs" / "0004-later.diff").write_text(PARKED_DIFF)
-    (repo / "series" / "manifest.toml").write_text(PARKED)
+    (repo / "series" / "manifest.toml").write_text("")
     src = tmp_path / "sdist" / "vllm-x"
     (src / "vllm").mkdir(parents=True)
     (src / "vllm" / "core.py").write_text("core = 0\n")
@@ -107,20 +86,18 @@ def test_later_patch_edits_an_earlier_patch_new_file(fork: ModuleType) -> None:
     from forktools import paths
 
     repo, tree = paths.ROOT, paths.TREE
-    assert fork.main(["build"]) == 0  # the parked patch alone: nothing built
+    assert fork.main(["build"]) == 0  # no patch yet: nothing built
     commits = [
         _commit(tree, "Add new\n\nWhy one.", {NEW: V1, "vllm/core.py": "c\n"}),
         _commit(tree, "Edit new\n\nWhy two.", {NEW: V2}),
         _commit(tree, "Edit new again\n\nWhy three.", {NEW: V3}),
     ]
-    (repo / "series" / "manifest.toml").write_text(ACTIVE + PARKED)
+    (repo / "series" / "manifest.toml").write_text(ACTIVE)
     assert fork.main(["save"]) == 0
     # The root holds the final version; the later diffs carry the edits.
     assert (repo / "vllm" / "new.py").read_text() == V3
     assert "+    return 3" in (repo / "series/diffs/0002-two.diff").read_text()
     assert "+    return 4" in (repo / "series/diffs/0003-three.diff").read_text()
-    assert (repo / "vllm" / "parked.py").read_text() == "parked = True\n"
-    assert (repo / "series/diffs/0004-later.diff").read_text() == PARKED_DIFF
     assert fork.main(["save", "--check"]) == 0
     assert fork.main(["check-root"]) == 0
 

@@ -246,8 +246,6 @@ def cmd_summary(_: argparse.Namespace) -> int:
             stack = p.stack
             print(f"-- {STACKS[stack]}")
         print(line(r))
-    for p in manifest.parked:
-        print(f"-- parked (not built, not exported): {p.name}: {p.parked}")
     for stack in STACKS:
         mine = [p for p in manifest.patches if p.stack == stack]
         if code := sum(patch_lines(p, nonblank=True)["code"][0] for p in mine):

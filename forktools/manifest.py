@@ -25,7 +25,7 @@ MANIFEST_REL = "series/manifest.toml"
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # Upstream PR titles (and the commits' subject lines) keep to 72 characters.
 MAX_SUBJECT = 72
-KEYS = {"name", "subject", "body", "files", "diff", "stack", "parked"}
+KEYS = {"name", "subject", "body", "files", "diff", "stack"}
 
 # The series' stacks, in order: each a contiguous run of patches. The first
 # two are exported (one directory each); ``project`` patches are built only.
@@ -48,8 +48,6 @@ MANIFEST_HEADER = """\
 #   diff     optional unified git diff against upstream files
 #   stack    fixes | layout | project: which exported stack the patch is in
 #            (project: applied by the fork build, never exported)
-#   parked   optional reason: the patch is kept but neither built nor exported
-#            (its diff is against an earlier release until it is ported)
 # No identity here: `export` signs off as `git config user.name/user.email`.
 # `python3 -m forktools.fork save` rewrites this file from build/vllm.
 
@@ -70,16 +68,13 @@ class Patch:
     files: list[str] = field(default_factory=list)
     diff: str | None = None
     stack: str = "fixes"
-    parked: str = ""
 
 
 @dataclass
 class Manifest:
-    """The parsed manifest: ``patches`` are built in order; ``parked`` ones
-    are kept (with their files) but neither built nor exported."""
+    """The parsed manifest: ``patches`` are built in order."""
 
     patches: list[Patch]
-    parked: list[Patch] = field(default_factory=list)
 
     @property
     def exported(self) -> list[Patch]:
@@ -119,7 +114,6 @@ def load_manifest(require_subject: bool = True, path: Path | None = None) -> Man
     if not isinstance(raw, list):
         raise ForkError(f"{rel}: 'patch' must be an array of tables")
     patches: list[Patch] = []
-    parked: list[Patch] = []
     seen: set[str] = set()
     order = list(STACKS)
     for i, table in enumerate(raw, start=1):
@@ -128,16 +122,13 @@ def load_manifest(require_subject: bool = True, path: Path | None = None) -> Man
         if patch.name in seen:
             raise ForkError(f"{where}: duplicate name {patch.name!r}")
         seen.add(patch.name)
-        if patch.parked:
-            parked.append(patch)
-            continue
         if patches and order.index(patch.stack) < order.index(patches[-1].stack):
             raise ForkError(
                 f"{where} ({patch.name}): stack {patch.stack!r} after "
                 f"{patches[-1].stack!r}; stacks run in the order {order}"
             )
         patches.append(patch)
-    return Manifest(patches, parked)
+    return Manifest(patches)
 
 
 def parse_patch(where: str, table: object, require_subject: bool) -> Patch:
@@ -174,13 +165,7 @@ def parse_patch(where: str, table: object, require_subject: bool) -> Patch:
     stack = table.get("stack", "fixes")
     if stack not in STACKS:
         raise ForkError(f"{where}: 'stack' must be one of {list(STACKS)}")
-    parked = table.get("parked", "")
-    if not isinstance(parked, str):
-        raise ForkError(f"{where}: 'parked' must be a reason string")
-    return Patch(
-        name, subject.strip(), body.strip("\n"), list(files), diff, stack,
-        parked.strip(),
-    )  # fmt: skip
+    return Patch(name, subject.strip(), body.strip("\n"), list(files), diff, stack)
 
 
 def toml_str(value: str) -> str:
@@ -200,7 +185,7 @@ def toml_body(value: str) -> str:
 def dump_manifest(manifest: Manifest, version: str = VLLM_VERSION) -> str:
     """Serialize the manifest as TOML (round-trips through load_manifest)."""
     out = [MANIFEST_HEADER.format(version=version)]
-    for p in [*manifest.patches, *manifest.parked]:
+    for p in manifest.patches:
         out.append(f"\n[[patch]]\nname = {toml_str(p.name)}\n")
         out.append(f"subject = {toml_str(p.subject)}\nbody = {toml_body(p.body)}\n")
         items = "".join(f"    {toml_str(f)},\n" for f in p.files)
@@ -208,8 +193,6 @@ def dump_manifest(manifest: Manifest, version: str = VLLM_VERSION) -> str:
         if p.diff:
             out.append(f"diff = {toml_str(p.diff)}\n")
         out.append(f"stack = {toml_str(p.stack)}\n")
-        if p.parked:
-            out.append(f"parked = {toml_str(p.parked)}\n")
     return "".join(out)
 
 

@@ -134,7 +134,7 @@ def read_series(rev: str, dest: Path) -> Series:
     (dest / MANIFEST_REL).write_text(text, encoding="utf-8")
     manifest = load_manifest(path=dest / MANIFEST_REL)
     wanted = {MANIFEST_REL}
-    for p in [*manifest.patches, *manifest.parked]:
+    for p in manifest.patches:
         wanted.update([*p.files, *([p.diff] if p.diff else [])])
     listed = git_out(paths.ROOT, "ls-tree", "-r", "--name-only", "-z", rev)
     missing = sorted(wanted - set(listed.split("\0")))
@@ -309,19 +309,14 @@ def write_back(s: Scratch, series: Series, new_sha: str, new_base: str) -> list[
         for index, (commit, old) in enumerate(zip(commits, s.patches, strict=True), 1)
     ]
     msgs = [f"removed {path}" for path in remove_stale(s.patches, patches, out)]
-    parked = series.manifest.parked
-    for p in parked:  # REV's parked patches, carried over untouched
-        for path in [*p.files, *([p.diff] if p.diff else [])]:
-            (paths.ROOT / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(series.root / path, paths.ROOT / path)
-    new_manifest = Manifest(patches, parked)
+    new_manifest = Manifest(patches)
     manifest_path = paths.ROOT / MANIFEST_REL
     manifest_path.write_text(dump_manifest(new_manifest, s.new), encoding="utf-8")
     if load_manifest(path=manifest_path) != new_manifest:
         raise ForkError(f"internal error: {MANIFEST_REL} does not round-trip")
     msgs.append(
-        f"wrote {MANIFEST_REL} ({len(patches)} patch(es), "
-        f"{len(parked)} parked), series/diffs/ and the new files"
+        f"wrote {MANIFEST_REL} ({len(patches)} patch(es)), "
+        "series/diffs/ and the new files"
     )
     RELEASE_FILE.write_text(
         release_toml(RELEASE_FILE, s, new_sha, new_base, series.rev), encoding="utf-8"
@@ -417,8 +412,7 @@ def cmd_take(args: argparse.Namespace) -> int:
         series = Series(rev, old, load_manifest(path=src / MANIFEST_REL), src)
     say(
         f"take: vLLM {old.version} -> {new}: the series of {rev[:12]} "
-        f"({len(series.manifest.patches)} patch(es), "
-        f"{len(series.manifest.parked)} parked)"
+        f"({len(series.manifest.patches)} patch(es))"
     )
     new_sdist = fetch_release(new, pinned)
     old_sdist = fetch_sdist(old.version, old.sha256)
@@ -432,8 +426,6 @@ def cmd_take(args: argparse.Namespace) -> int:
         commits = series_on_old(repo, old)
         s = Scratch(repo, old, new, commits, list(series.manifest.patches))
         say(f"scratch: {rel(repo)}: {mode}d ({len(commits)} patch(es))")
-    for p in series.manifest.parked:
-        say(f"parked at {rev[:12]}, not rebased: {p.name} ({p.parked})")
     rc = take_each(s) if args.each else take_all(s, series, key, args.dry_run)
     for line in recheck(s.repo, s.old_tag, s.new_tag):
         say(line)

@@ -112,7 +112,6 @@ def save(check: bool) -> int:
             "commits map to tables by order, so add a table with just "
             '`name = "<slug>"` for each new commit (or drop tables) and rerun'
         )
-    # Parked patches are not in build/vllm: their files and diffs stay.
     patches: list[Patch] = []
     for index, (commit, old) in enumerate(
         zip(commits, manifest.patches, strict=True), 1
@@ -127,7 +126,7 @@ def save(check: bool) -> int:
     for stale in remove_stale(manifest.patches, patches, out):
         if not check:
             print(f"save: removed {stale}")
-    new_manifest = Manifest(patches, manifest.parked)
+    new_manifest = Manifest(patches)
     out.write(MANIFEST_REL, dump_manifest(new_manifest).encode("utf-8"))
     if check:
         if out.differs:

@@ -22,8 +22,7 @@ from forktools.testrun.common import (
 
 # One deliberate break per exported test file: (the patch whose test it is,
 # test file under tests/, file of the fork, text to replace, replacement). The
-# test file must fail on it. A break of a parked patch (series/manifest.toml)
-# is parked with it: listed, not run.
+# test file must fail on it.
 MUTATIONS: list[tuple[str, str, str, str, str]] = [
     # Descriptor ids back to int64 (NIXL converts them on every READ).
     (
@@ -195,18 +194,15 @@ GPU_ONLY = frozenset(
 )
 
 
-def active_mutations() -> tuple[list[tuple[str, str, str, str]], list[str]]:
-    """The breaks of built patches, and the names of the parked ones' tests."""
+def active_mutations() -> list[tuple[str, str, str, str]]:
+    """The breaks, each checked to name a patch of the manifest."""
     from forktools.manifest import load_manifest  # forktools/manifest.py
 
-    manifest = load_manifest()
-    built = {p.name for p in manifest.patches}
-    parked = {p.name for p in manifest.parked}
-    unknown = {m[0] for m in MUTATIONS} - built - parked
+    built = {p.name for p in load_manifest().patches}
+    unknown = {m[0] for m in MUTATIONS} - built
     if unknown:
         raise SystemExit(f"mutations: no patch named {sorted(unknown)}")
-    active = [m[1:] for m in MUTATIONS if m[0] in built]
-    return active, [f"{m[0]}: {Path(m[1]).name}" for m in MUTATIONS if m[0] in parked]
+    return [m[1:] for m in MUTATIONS]
 
 
 def unmutated_test_files() -> list[str]:
@@ -280,8 +276,7 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
         add_worktree(worktree, "HEAD")
         worktrees.put(worktree)
 
-    mutations, parked = active_mutations()
-    mutations = [SERVED_MUTATION, *mutations]
+    mutations = [SERVED_MUTATION, *active_mutations()]
 
     def mutate(index: int) -> tuple[str, str | None]:
         test, target, old, new = mutations[index]
@@ -336,9 +331,4 @@ def run_mutations(log: Path, env: dict[str, str]) -> Result:
     res.note = f"{res.passed} of {len(mutations)} breaks caught" + (
         "; " + "; ".join(missed) if missed else ""
     )
-    if parked:
-        res.note += f"; {len(parked)} parked with their patches"
-        with open(log, "a", encoding="utf-8") as f:
-            f.write("\nparked (their patches are parked in series/manifest.toml):\n")
-            f.writelines(f"  {name}\n" for name in parked)
     return res
