@@ -8,20 +8,14 @@ ids or in its handshake metadata; then vLLM's own scheduler under both
 release of ``series/release.toml``), the prefixes of the series that
 introduced a read path the cases take
 (``testrun.project_checks.FAULT_PREFIXES``), and the whole series, two at a
-time, with the test command's NIXL settings (``tools/test_site``). A read
-path whose patch ``series/manifest.toml`` parks has no prefix: it is listed
-as ``parked: ...``. Prints one line per case with each tree's outcome and
-writes the JSON::
+time, with the test command's NIXL settings (``tools/test_site``). Prints one
+line per case with each tree's outcome and writes the JSON::
 
     PYTHONPATH=build/vllm:. .venv/bin/python -m forktools.bench.fault_lines \\
         --json build/bench/faults.json
 
 The trees are the main job's worktrees (``build/prefixes/``, made by
-``forktools/bench/nixl_main_job.py``; made here when missing). When
-``checks/faults.py`` fails on stock itself (checks/ not yet ported to the
-release) the script prints ``parked: <reason>`` and exits with status 75
-(``PARKED``), which ``tools/main.sh`` reports and passes; a failure on
-another tree only is a failure.
+``forktools/bench/nixl_main_job.py``; made here when missing).
 """
 
 from __future__ import annotations
@@ -36,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forktools.bench.job_parked import parked_patches
 from forktools.bench.job_variants import discover, ensure_worktree
 from forktools.paths import ROOT
 from forktools.testrun.common import pythonpath
@@ -66,34 +59,19 @@ def outcome(got: dict[str, Any]) -> str:
     return f"failed: {channel}{posted}{stray}{policies}"
 
 
-# Exit status of a run whose checks/ code does not work on stock yet.
-PARKED = 75
-
-
-def trees() -> tuple[dict[str, Path], list[str]]:
-    """label -> tree: stock, the read paths' prefixes, the series; and a
-    ``parked: ...`` line per read path whose patch the manifest parks."""
+def trees() -> dict[str, Path]:
+    """label -> tree: stock, the read paths' prefixes, the series."""
     series = discover()
     by_name = {v.patches[-1].split(" ", 1)[1]: v for v in series.variants if v.patches}
-    parked = {p.name: p for p in parked_patches()}
-    chosen = [series.variants[0]]
-    lines = []
-    for name in FAULT_PREFIXES:
-        if name in by_name:
-            chosen.append(by_name[name])
-        elif name in parked:
-            lines.append(
-                f"parked: fault cases on the prefix through {name}: needs "
-                f"{parked[name].label} ({parked[name].reason})"
-            )
-        else:
-            raise SystemExit(f"fault_lines: {name} is neither built nor parked")
-    chosen.append(series.variants[-1])
+    missing = [name for name in FAULT_PREFIXES if name not in by_name]
+    if missing:
+        raise SystemExit(f"fault_lines: no prefix of the series ends in {missing}")
+    chosen = [series.variants[0], *(by_name[n] for n in FAULT_PREFIXES)]
     out = {}
-    for variant in dict.fromkeys(chosen):
+    for variant in dict.fromkeys([*chosen, series.variants[-1]]):
         ensure_worktree(variant.tree, variant.commit)
         out[variant.label] = variant.tree
-    return out, lines
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    chosen, parked = trees()
-    stock = next(iter(chosen))
+    chosen = trees()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         pending = list(chosen.items())
@@ -135,13 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                 for _, _, other in running:
                     other.kill()
                     other.wait()
-                if label == stock:
-                    last = [ln for ln in err.strip().splitlines() if ln.strip()]
-                    print(
-                        f"parked: fault lines: checks/faults.py fails on {label} "
-                        f"itself ({last[-1] if last else proc.returncode})"
-                    )
-                    return PARKED
                 return 1
             results[label] = json.loads(out.read_text(encoding="utf-8"))
     labels = list(chosen)
@@ -154,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m forktools.bench.fault_lines",
         "trees": {label: str(tree.relative_to(ROOT)) for label, tree in chosen.items()},
         "rows": rows,
-        "parked": parked,
         "outcomes": results,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -164,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         print(row["case"])
         for label in labels:
             print(f"    {label}: {row[label]}")
-    for line in parked:
-        print(line)
     print(f"({len(rows)} cases x {len(labels)} trees, {payload['elapsed_s']:.0f} s)")
     return 0
 

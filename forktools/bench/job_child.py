@@ -28,11 +28,9 @@ import contextlib
 import ctypes
 import gc
 import math
-import os
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -116,15 +114,14 @@ class Child:
 
     # ------------------------------------------------------------ the tree
 
-    def hello(self, torch_threads: int) -> dict[str, Any]:
-        started = time.perf_counter()
+    def hello(self) -> dict[str, Any]:
+        """Install the recorder; what the tree ships: its levers."""
         import torch
 
-        torch.set_num_threads(torch_threads)
+        torch.set_num_threads(1)
         from vllm.distributed.nixl_utils import NixlWrapper
 
         import forktools.harness.layout_zoo as zoo
-        import vllm
         from forktools.bench.job_nixl import Copier, Recorder
         from forktools.bench.job_noise import filter_library_handlers
         from forktools.bench.job_tree import pool_order
@@ -140,9 +137,6 @@ class Child:
         self.recorder.install(NixlWrapper)
         self.copier = Copier()
         return {
-            "vllm": str(Path(vllm.__file__).parent.parent),
-            "import_s": time.perf_counter() - started,
-            "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
             "levers": {
                 "order": "ordered"
                 if hasattr(pull_worker, "sort_block_pairs")
@@ -380,10 +374,8 @@ class Child:
         self.prefill.worker.save_kv_to_host(meta)
         return (time.perf_counter() - start) * 1e3
 
-    def _bare_post(
-        self, xfers: list[tuple[Any, Any, Any, Any]], rid: str
-    ) -> tuple[float, float]:
-        """Post the READ's ids again, bare: (wall ms, this thread's CPU ms) of
+    def _bare_post(self, xfers: list[tuple[Any, Any, Any, Any]], rid: str) -> float:
+        """Post the READ's ids again, bare: this thread's CPU ms in
         ``make_prepped_xfer`` + ``transfer`` alone, on the decoder's agent and
         prepared lists, with a notification as the worker's (the same bytes
         land again)."""
@@ -391,17 +383,16 @@ class Child:
 
         assert self.decode is not None
         nixl = self.decode.worker.nixl_wrapper
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start_cpu = time.thread_time()
         handles = [
             self.recorder.bare_make(nixl, "READ", *xfer, notif_msg=f"{rid}:1".encode())
             for xfer in xfers
         ]
         for handle in handles:
             nixl.transfer(handle)
-        ms = (time.perf_counter() - start) * 1e3
         cpu_ms = (time.thread_time() - start_cpu) * 1e3
         wait_released(nixl, handles)
-        return ms, cpu_ms
+        return cpu_ms
 
     def read(self, index: int, sampled: bool, verify: bool) -> dict[str, Any]:
         """One READ with its staging copies, checks and memmove floor."""
@@ -431,7 +422,7 @@ class Child:
             remote_tp_size=self.p_tp,
         )
         xfers = self.recorder.take(decode.agent)
-        bare_ms, bare_cpu_ms = self._bare_post(xfers, t.rid)
+        bare_cpu_ms = self._bare_post(xfers, t.rid)
         # Nobody consumes the prefillers' READ notifications here; drop them.
         for side in self.prefills:
             side.worker.nixl_wrapper.get_new_notifs()
@@ -461,13 +452,10 @@ class Child:
         copier.zero(dst, n)
         p_raws = [raw for side in self.prefills for raw in side.layout.raws]
         return {
-            "blocks": len(t.local_ids),
-            "bytes": moved,
             "descs": result.descriptors,
             "list_floor": len(n),
             "done_ms": result.done_s * 1e3,
             "post_ms": result.post_s * 1e3,
-            "bare_post_ms": bare_ms,
             "post_cpu_ms": result.post_cpu_s * 1e3,
             "bare_post_cpu_ms": bare_cpu_ms,
             "floor_ms": floor_ms,
@@ -566,14 +554,14 @@ class Child:
 
 def serve(conn: Any, spec: dict[str, Any]) -> None:
     """The variant process's loop: ``(command, kwargs)`` in, result out."""
-    from forktools.bench.job_noise import NOISE, hide_expected_noise
+    from forktools.bench.job_noise import hide_expected_noise
 
     hide_expected_noise()
     child = Child(spec)
     while True:
         command, kwargs = conn.recv()
         if command == "exit":
-            conn.send(("ok", NOISE.counts()))
+            conn.send(("ok", None))
             return
         try:
             conn.send(("ok", getattr(child, command)(**kwargs)))

@@ -15,10 +15,8 @@ queue order; with the sorted block pool patch: ascending ids).
 keeping their order and which ids are consecutive (every gap shortened to one
 block): every run, descriptor, list-floor piece and byte count of the READ is
 unchanged, while the layouts need a few thousand blocks instead of the pool's
-32,000, so every variant's P/D pair fits in memory at once.
-
-``synthetic_block_lists`` gives seeded lists instead (``--lists synthetic``),
-labelled SYNTHETIC. Numpy only at import; vLLM is imported by the replay.
+32,000, so every variant's P/D pair fits in memory at once. Numpy only at
+import; vLLM is imported by the replay.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ class BlockLists:
     transfers: list[Transfer]
     num_blocks: int
     source: str
-    synthetic: bool
     notes: list[str] = field(default_factory=list)
 
 
@@ -217,7 +214,7 @@ def replay_block_lists(
         "replayed: a real KVCacheManager/BlockPool for P and one for D, in "
         "each variant's own tree"
     )
-    return BlockLists(transfers, rargs.num_blocks, source, False, [note])
+    return BlockLists(transfers, rargs.num_blocks, source, [note])
 
 
 def _drive(
@@ -269,56 +266,6 @@ def _drive(
     return wanted
 
 
-def fragmented_block_ids(
-    num_blocks: int, num_ids: int, mean_run: float, seed: int
-) -> list[int]:
-    """A request's block ids as handed out by a fragmented pool (SYNTHETIC).
-
-    Run lengths are geometric with the given mean, scattered over the pool with
-    at least one foreign block between any two runs, in shuffled order.
-    """
-    rng = np.random.default_rng(seed)
-    lengths: list[int] = []
-    while sum(lengths) < num_ids:
-        lengths.append(int(rng.geometric(1.0 / max(mean_run, 1.0))))
-    lengths[-1] -= sum(lengths) - num_ids
-    lengths = [n for n in lengths if n > 0]
-    slack = num_blocks - num_ids - len(lengths)
-    if slack < 0:
-        raise ValueError("pool too small to separate the runs")
-    gaps = 1 + rng.multinomial(slack, np.full(len(lengths) + 1, 1 / (len(lengths) + 1)))
-    starts = np.cumsum(gaps[:-1]) + np.cumsum([0, *lengths[:-1]]) - 1
-    runs = [
-        list(range(int(s), int(s) + n)) for s, n in zip(starts, lengths, strict=False)
-    ]
-    order = rng.permutation(len(runs))
-    ids = [block for i in order for block in runs[i]]
-    assert len(ids) == num_ids and len(set(ids)) == num_ids
-    assert max(ids) < num_blocks
-    return ids
-
-
-def synthetic_block_lists(args: argparse.Namespace, policy: str) -> BlockLists:
-    """Seeded stand-ins for one pool order's lists (SYNTHETIC)."""
-    n, shift = args.pool_blocks, args.pool_blocks // 2
-    mean_run = args.mean_run if policy == "queue" else args.pool_mean_run
-    transfers = []
-    for i in range(args.transfers + 1):
-        ids = fragmented_block_ids(n, args.request_blocks, mean_run, args.seed + i)
-        if policy == "sorted":
-            ids = sorted(ids)
-        local = [(block + shift) % n for block in ids]
-        transfers.append(Transfer(f"synthetic-{i}", ids, local, list(ids)))
-    return BlockLists(
-        transfers,
-        n,
-        f"seeded, geometric runs, mean {args.mean_run:g} (queue) / "
-        f"{args.pool_mean_run:g} (sorted, ascending), {args.request_blocks:,} "
-        f"blocks per READ, decoder ids shifted by {shift:,}",
-        True,
-    )
-
-
 def _compact_map(ids: list[int]) -> dict[int, int]:
     """Ids onto 0.. keeping order and adjacency; every gap becomes one block."""
     unique = np.unique(np.asarray(ids, dtype=np.int64))
@@ -347,28 +294,17 @@ def span(transfers: list[Transfer]) -> int:
     return max(ids) + 1 if ids else 1
 
 
-def summary(policy: str, lists: BlockLists) -> tuple[str, dict[str, Any]]:
-    """One line and a JSON record of one pool order's lists (warm READs)."""
+def summary(policy: str, lists: BlockLists) -> str:
+    """One line on one pool order's lists (warm READs)."""
     ts = lists.transfers[1:]
     blocks = [len(t.local_ids) for t in ts]
     runs = [count_runs(t.remote_ids) for t in ts]
-    text = (
+    return (
         f"{policy} pool: blocks per READ p50 {np.percentile(blocks, 50):,.0f} / "
         f"p95 {np.percentile(blocks, 95):,.0f} / max {max(blocks):,}, P-side "
         f"runs in list order p50 {np.percentile(runs, 50):,.0f} / p95 "
         f"{np.percentile(runs, 95):,.0f}"
     )
-    record = {
-        "source": lists.source,
-        "synthetic": lists.synthetic,
-        "transfers": len(ts),
-        "blocks_p50": float(np.percentile(blocks, 50)),
-        "blocks_p95": float(np.percentile(blocks, 95)),
-        "p_runs_p50": float(np.percentile(runs, 50)),
-        "p_runs_p95": float(np.percentile(runs, 95)),
-        "notes": lists.notes,
-    }
-    return text, record
 
 
 def assign(
@@ -395,11 +331,8 @@ def assign(
         lists = raw[lead]
         compacted = [compact(t) for t in lists.transfers]
         warm = [len(t.local_ids) for t in compacted[1:]]
-        text, record = summary(orders[lead]["D"], lists)
-        records[lead] = record | {
-            "variants": [v.key for v in group],
-            "order": orders[lead],
-            "text": text,
+        records[lead] = {
+            "text": summary(orders[lead]["D"], lists),
             "span": span(compacted),
         }
         sampled = {0, int(np.argmax(warm)) + 1} | set(range(0, len(compacted), 10))

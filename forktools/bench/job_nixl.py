@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import time
 import uuid
 from collections.abc import Sequence
@@ -359,44 +358,6 @@ class NixlFloor:
         for agent, reg in zip(self.agents, self.regs, strict=False):
             agent.deregister_memory(reg)
         self.regs, self.buffers, self.size = [], [], 0
-
-
-def idle_agent_cost(seconds: float = 0.5) -> dict[str, Any]:
-    """CPU an idle agent costs, per second of wall, in three configurations.
-
-    vLLM's (``num_threads=4``, progress thread on), the same with
-    ``num_threads=0``, and with the progress thread off: which of the UCX
-    threads and the progress thread an idle agent keeps busy. Measured in
-    the floor's process before its own agents exist.
-    """
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    def cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    configs = {
-        "vllm": _agent_config(),
-        "num_threads=0": nixl_agent_config(num_threads=0, capture_telemetry=True),
-        "no progress thread": nixl_agent_config(
-            enable_prog_thread=False,
-            num_threads=AGENT_THREADS,
-            capture_telemetry=True,
-        ),
-    }
-    out: dict[str, Any] = {}
-    for what, config in configs.items():
-        agent = nixl_agent(f"idle-{uuid.uuid4()}", config)
-        time.sleep(0.1)
-        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc") else 0
-        c0, t0 = cpu(), time.perf_counter()
-        time.sleep(seconds)
-        c1, t1 = cpu(), time.perf_counter()
-        out[what] = {"cpu_per_wall": (c1 - c0) / (t1 - t0), "threads": threads}
-        del agent
-    out["cpu_per_wall"] = out["vllm"]["cpu_per_wall"]
-    return out
 
 
 def same_bytes(a: Any, b: Any) -> bool:

@@ -1,18 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The quiet rig: one process per variant, one READ running at a time.
 
-Every variant runs in a process of its own (``job_child.serve``: the real
-code of its tree), started with its tree first on ``PYTHONPATH``. Each process holds one
-P/D pair of pull workers at a time, each worker with its NIXL agent as vLLM
-creates it (UCX, ``num_threads=4``, a progress thread). The NIXL floor's two
-bare agents live in one more process (``floor_serve``).
-
-While one READ is timed, every other process is stopped (SIGSTOP; SIGCONT
-before its next command), so only the two agents of the measured pair (and
-the Python thread driving them) can run; an idle agent otherwise busy-polls
-its progress thread (``job_nixl.idle_agent_cost`` measures what that costs).
-The variants are alternated READ by READ (rotating which goes first), each
-READ followed by its NIXL floor, so a drift of the machine hits them alike.
+Every variant runs in a process of its own (``job_child.serve``), started with
+its tree first on ``PYTHONPATH``; the NIXL floor's two bare agents live in one
+more (``floor_serve``). While one READ is timed every other process is stopped
+(SIGSTOP; SIGCONT before its next command): an idle agent's progress thread
+polls. Variants alternate READ by READ (rotating which goes first), each READ
+followed by its NIXL floor, so a drift of the machine hits them alike.
 """
 
 from __future__ import annotations
@@ -25,44 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from forktools.paths import tree_pythonpath
-
-QUIET_RIG = (
-    "Quiet rig: one process per variant (its own tree), each holding one P/D "
-    "pair of pull workers whose NIXL agents are created as vLLM creates them "
-    "(UCX, num_threads=4, progress thread); the NIXL floor's two agents in one "
-    "more process. While a READ is timed every other process is stopped "
-    "(SIGSTOP), so only the measured pair's agents run; variants alternate READ "
-    "by READ, each READ followed by its NIXL floor (one floor READ per distinct "
-    "set of pieces: variants with the same layouts and block lists share it)."
-)
-
-
-def idle_text(idle: dict[str, Any]) -> str:
-    """What an idle agent costs (``job_nixl.idle_agent_cost``), in words."""
-    cost = {k: v["cpu_per_wall"] for k, v in idle.items() if isinstance(v, dict)}
-    vllm, no_ucx, no_prog = (
-        cost["vllm"],
-        cost["num_threads=0"],
-        cost["no progress thread"],
-    )
-    if no_prog < 0.5 * vllm <= no_ucx:
-        why = "its progress thread polls, its UCX threads sleep"
-    elif no_ucx < 0.5 * vllm:
-        why = "its UCX threads poll"
-    else:
-        why = "it polls"
-    return (
-        f"An idle agent created as vLLM creates it (UCX, num_threads=4) costs "
-        f"{vllm:.2f} CPU, {no_ucx:.2f} with num_threads=0 and {no_prog:.2f} with "
-        f"its progress thread off ({why}); a stopped process costs none."
-    )
 
 
 class ChildError(RuntimeError):
@@ -82,7 +44,6 @@ class Proc:
     spec: dict[str, Any]
     conn: Any = None
     process: Any = None
-    busy_s: float = 0.0
     stopped: bool = False
 
     def start(self) -> Proc:
@@ -118,7 +79,6 @@ class Proc:
     def post(self, command: str, **kwargs: Any) -> None:
         """Send a command (the process runs until ``collect``)."""
         self.thaw()
-        self._begun = time.perf_counter()
         self.conn.send((command, kwargs))
 
     def collect(self, freeze: bool = True) -> Any:
@@ -131,7 +91,6 @@ class Proc:
             raise ChildError(
                 f"{self.key}: the process died (exit code {self.process.poll()})"
             ) from None
-        self.busy_s += time.perf_counter() - self._begun
         if freeze:
             self.freeze()
         if status == "error":
@@ -143,47 +102,21 @@ class Proc:
         self.post(command, **kwargs)
         return self.collect()
 
-    def close(self) -> Any:
-        """Ask the process to exit; returns what it reports (its log counts)."""
-        counts = None
+    def close(self) -> None:
+        """Ask the process to exit, then make sure it has."""
         if self.alive():
-            try:
+            with contextlib.suppress(ChildError, OSError, EOFError):
                 self.post("exit")
-                counts = self.collect(freeze=False)
-            except (ChildError, OSError, EOFError):
-                pass
+                self.collect(freeze=False)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=10)
         self.kill()
-        return counts
 
     def kill(self) -> None:
         if self.alive():
             self._signal(signal.SIGCONT)
             self.process.kill()
             self.process.wait(timeout=5)
-
-
-def cpu_seconds(procs: Sequence[Proc]) -> float:
-    """CPU seconds (user + system) this process and its children have used.
-
-    The live ``procs`` from /proc; children that have exited and been waited
-    for (closed ``Proc`` processes, the mixed pair's tree processes)
-    from ``os.times()``, so a step that closes processes counts what they
-    used instead of going negative.
-    """
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = sum(os.times()[:4])
-    for proc in procs:
-        if not proc.alive():
-            continue
-        try:
-            with open(f"/proc/{proc.process.pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        except OSError:
-            pass
-    return total
 
 
 def call_all(procs: Sequence[Proc], command: str, **kwargs: Any) -> list[Any]:
@@ -206,7 +139,7 @@ def floor_serve(conn: Any, spec: dict[str, Any]) -> None:
     """The NIXL floor's process: bare agents, no vLLM (``job_nixl.NixlFloor``)."""
     import traceback
 
-    from forktools.bench.job_nixl import NixlFloor, idle_agent_cost
+    from forktools.bench.job_nixl import NixlFloor
 
     floor: NixlFloor | None = None
     while True:
@@ -217,13 +150,9 @@ def floor_serve(conn: Any, spec: dict[str, Any]) -> None:
                     floor.release()
                 conn.send(("ok", None))
                 return
-            if command == "idle_cost":
-                result: Any = idle_agent_cost(**kwargs)
-            else:
-                if floor is None:
-                    floor = NixlFloor()
-                result = getattr(floor, command)(**kwargs)
-            conn.send(("ok", result))
+            if floor is None:
+                floor = NixlFloor()
+            conn.send(("ok", getattr(floor, command)(**kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the driver
             conn.send(("error", traceback.format_exc()))
 
@@ -233,8 +162,7 @@ class Phase:
     """One row group being read: its variant processes and READ plan."""
 
     procs: list[Proc]
-    count: int  # READs per pass, the cold one included
-    repeat: int
+    count: int  # READs, the cold one included
     sampled: dict[str, set[int]]  # per process key: READs timed/verified
     verify_every: bool
     floor: Proc | None = None
@@ -258,40 +186,38 @@ def run_phase(phase: Phase, note: Callable[[str], None]) -> None:
     """
     procs = phase.procs
     phase.results = {p.key: [] for p in procs}
-    for rep in range(phase.repeat):
-        for i in range(0 if rep == 0 else 1, phase.count):
-            if i % 20 == 0:
-                note(f"READ {i}/{phase.count - 1} x {len(procs)}, pass {rep + 1}")
-            shift = (i + rep) % len(procs)
-            floors: dict[bytes, dict[str, Any]] = {}
-            for proc in procs[shift:] + procs[:shift]:
-                sampled = i in phase.sampled[proc.key]
-                result = proc.call(
-                    "read",
-                    index=i,
-                    sampled=sampled,
-                    verify=phase.verify_every or sampled,
+    for i in range(phase.count):
+        if i % 20 == 0:
+            note(f"READ {i}/{phase.count - 1} x {len(procs)}")
+        shift = i % len(procs)
+        floors: dict[bytes, dict[str, Any]] = {}
+        for proc in procs[shift:] + procs[:shift]:
+            sampled = i in phase.sampled[proc.key]
+            result = proc.call(
+                "read",
+                index=i,
+                sampled=sampled,
+                verify=phase.verify_every or sampled,
+            )
+            p_off, d_off, n = result.pop("pieces")
+            key = hashlib.blake2b(
+                p_off.tobytes() + d_off.tobytes() + n.tobytes(), digest_size=16
+            ).digest()
+            if phase.floor is not None and len(n) and key not in floors:
+                floors[key] = phase.floor.call(
+                    "read", p_off=p_off, d_off=d_off, n=n, verify=result["verified"]
                 )
-                p_off, d_off, n = result.pop("pieces")
-                key = hashlib.blake2b(
-                    p_off.tobytes() + d_off.tobytes() + n.tobytes(), digest_size=16
-                ).digest()
-                if phase.floor is not None and len(n) and key not in floors:
-                    floors[key] = phase.floor.call(
-                        "read", p_off=p_off, d_off=d_off, n=n, verify=result["verified"]
-                    )
-                floor = floors.get(key)
-                result["nixl_floor_ms"] = floor["ms"] if floor else float("nan")
-                result["nixl_floor_no_notif_ms"] = (
-                    floor["ms_no_notif"] if floor else float("nan")
-                )
-                result["nixl_floor_descs"] = floor["descs"] if floor else None
-                if floor and not floor["ok"]:
-                    result["notes"].append(f"READ {i}: NIXL floor bytes differ")
-                result["pass"] = rep
-                phase.results[proc.key].append(result)
-            if i == 0 and rep == 0:
-                _clean(phase, "after the cold READ")
+            floor = floors.get(key)
+            result["nixl_floor_ms"] = floor["ms"] if floor else float("nan")
+            result["nixl_floor_no_notif_ms"] = (
+                floor["ms_no_notif"] if floor else float("nan")
+            )
+            result["nixl_floor_descs"] = floor["descs"] if floor else None
+            if floor and not floor["ok"]:
+                result["notes"].append(f"READ {i}: NIXL floor bytes differ")
+            phase.results[proc.key].append(result)
+        if i == 0:
+            _clean(phase, "after the cold READ")
     _clean(phase, "after all READs")
 
 

@@ -58,18 +58,12 @@ class Pairing:
         label: Row-group label (``""`` when the scenario has one pairing).
         p_stages: The prefiller stages.
         d_stages: The decoder stages.
-        stock_bug: Stock moves wrong bytes on this pairing (the layout zoo's
-            ``pairing_matrix.STOCK_CORRUPTS``): what goes wrong. Its row then
-            reports ``wrong bytes`` instead of figures, and the job does not
-            fail on it; a stock row that is right fails the job (the entry
-            is stale).
 
     """
 
     label: str = ""
     p_stages: bool = False
     d_stages: bool = False
-    stock_bug: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,10 +104,6 @@ class Scenario:
         verify_every: Check the bytes of every READ, whatever ``--verify``
             says (each KV head against the prefiller rank that holds it).
         description: One line for the legend.
-        parked_series: ``(patch name, what)`` pairs: what the scenario's
-            series row shows with a patch the manifest parks (a layout
-            preference, mirrored staging). While it is parked the row is the
-            built series' and the job lists the feature as parked.
 
     """
 
@@ -134,7 +124,6 @@ class Scenario:
     d_tp: int = 1
     verify_every: bool = False
     description: str = ""
-    parked_series: tuple[tuple[str, str], ...] = ()
 
     def layouts(self, resolved: str | None) -> tuple[str, str]:
         """The zoo layout names of both sides, given a tree's resolved layout."""
@@ -156,12 +145,6 @@ SCENARIOS = (
         "glm53-mtp/{layout}",
         "glm53-mtp/{layout}",
         default_layout=DefaultLayout("glm53-mtp", GLM53_BACKENDS),
-        parked_series=(
-            (
-                "nixl-mla-block-outermost-layout",
-                "the series' BLHNC default for MLA: one whole-row region",
-            ),
-        ),
         description="what a user gets without setting a layout: each tree "
         "resolves it (resolve_kv_cache_layout with a NixlConnector "
         "kv_transfer_config, the model's specs and its backends' declared "
@@ -189,12 +172,6 @@ SCENARIOS = (
         ),
         staging_recipe="glm53-mtp+host-staging/BLHNC",
         rows=("nixl-row-page-reads", "nixl-mirrored-host-staging"),
-        parked_series=(
-            (
-                "nixl-mirrored-host-staging",
-                "staging in one allocation mirroring the device row: one region",
-            ),
-        ),
         description="kv_buffer_device=cpu on both sides (P+D) or on the decoder "
         "only (D only; stock refuses a staging prefiller with a device BLHNC "
         "decoder): stock stages in per-layer buffers (103 regions), the "

@@ -1,26 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The main job's mixed pairs: P and D from different trees.
+"""The main job's mixed pairs: P and D from different trees (stock, the series).
 
-A fleet upgrades one instance at a time, so for a while a stock prefiller
-(the release of ``series/release.toml``) serves a patched decoder and the
-reverse. Each side here is the default configuration of GLM-5.3 + MTP
-(NixlConnector, no layout or block size set) in a process of its own tree
-(``checks/cross_tree.py``), which resolves its own layout (stock: LBNHC, one
-dense region per layer page; the series: what its tree resolves, BLHNC, one
-whole-row region, once the layout stack's MLA preference is built; while it
-is parked, LBNHC as stock), builds the main job's geometry (78
-layers, 4-token pages) with vLLM's planner and allocator, and registers it
-with a real pull worker. The decoder handshakes with the prefiller's payload
-(compatibility hash checked) and reads the job's replayed requests through
-its own read path over UCX, across two processes when the trees differ:
-the prefiller's block ids from the prefiller tree's pools, the decoder's
-from the decoder tree's (the same requests). One process per tree holds
-whichever sides the pair puts on that tree (both for stock + stock). Every
-READ is checked: each layer's pages of the request on D must hash to P's,
-and nothing else of D may change.
-
-Descriptors per READ are NIXL's telemetry; no time is reported (the two
-processes run unstopped, not on the quiet rig).
+Each side is GLM-5.3 + MTP with no layout set, in a process of its own tree
+(``checks/cross_tree.py``: one process per tree holds whichever sides the
+pair puts there); the decoder handshakes with the prefiller's payload and
+reads the job's replayed requests, every page checked against P's
+(``project-docs/main-job.md``, "A mixed pair"). Descriptors per READ from NIXL
+telemetry; no time (the processes are not on the quiet rig).
 """
 
 from __future__ import annotations
@@ -30,40 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from checks.cross_tree import Config, Processes
+from forktools.bench.job_summary import stats
 from forktools.manifest import VLLM_VERSION
 
 MODEL = "glm53-mtp"
 # (prefiller tree, decoder tree): stock + stock first, the oracle.
 PAIRS = (("stock", "stock"), ("stock", "fork"), ("fork", "stock"), ("fork", "fork"))
 LABELS = {"stock": f"stock {VLLM_VERSION}", "fork": "series"}
-TEXT = (
-    f"Mixed pair (stock {VLLM_VERSION} and the fork; the same version, so the "
-    "compatibility hash accepts it): GLM-5.3 + MTP with no layout or block "
-    "size set, each "
-    "side in a process of its own tree, which resolves its own layout (as on "
-    "CUDA) and registers it with a real pull worker; the decoder handshakes "
-    "with the prefiller's payload (compatibility hash checked) and reads the "
-    "job's replayed requests (the prefiller's ids from its tree's pools, the "
-    "decoder's from its own) through its own read path over UCX, across the "
-    "two processes when the trees differ (one process per tree: stock + stock "
-    "and series + series share it). Every READ checked: each layer's pages on "
-    "D hash to P's "
-    "and no other byte of D changes. Descriptors per READ from NIXL "
-    "telemetry; no time (the two processes are not on the quiet rig)."
-)
-
-
-def _stats(values: list[int]) -> dict[str, float]:
-    arr = np.asarray(values, dtype=float)
-    return {
-        "p50": float(np.percentile(arr, 50)),
-        "p95": float(np.percentile(arr, 95)),
-        "p99": float(np.percentile(arr, 99)),
-        "total": float(arr.sum()),
-    }
 
 
 def run_mixed_pairs(
@@ -154,7 +114,7 @@ def _pair(
         "status": "ok" if not wrong and clean else "wrong bytes",
         "reads": len(descs),
         "cold_descs": descs[0],
-        "descs_per_read": _stats(descs[1:]),
+        "descs_per_read": stats(descs[1:]),
         "pages": pages,
         "wrong_pages": wrong,
         "page_bytes": page_bytes,

@@ -8,9 +8,7 @@ git worktree of ``build/vllm`` at the prefix's last commit, under
 ``build/prefixes/`` (created on the first run, moved to the new commit when the
 series changes, reused otherwise). Nothing is emulated: a lever is on in a row
 exactly when that prefix's code ships it on. A prefix is numbered by its last
-patch's place in ``series/manifest.toml``, parked patches counted (they are not
-built: ``job_parked.py`` lists the rows that need them), so ``0006`` stays
-``0006`` while 0001-0005 are parked.
+patch's place in ``series/manifest.toml``.
 
 A commit that changes no file under ``vllm/`` (a benchmark, tests or CI)
 changes nothing a row could show: it gets no row of its own, and the report
@@ -99,20 +97,6 @@ def _names(count: int) -> list[str]:
     return names if len(names) == count else [f"patch-{n}" for n in range(count)]
 
 
-def manifest_numbers() -> dict[str, str]:
-    """``name -> NNNN``: each patch's position in ``series/manifest.toml``,
-    parked ones included (the numbers of ``series/diffs/NNNN-<name>.diff``),
-    so a prefix keeps its number while patches before it are parked."""
-    import tomllib
-
-    path = ROOT / "series" / "manifest.toml"
-    try:
-        tables = tomllib.loads(path.read_text(encoding="utf-8")).get("patch", [])
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {t["name"]: f"{n:04d}" for n, t in enumerate(tables, 1) if "name" in t}
-
-
 def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
     """Stock and the code prefixes of the series (no worktrees yet).
 
@@ -129,7 +113,6 @@ def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
     stock = _git(tree, "rev-parse", f"{base_tag}^{{commit}}")
     commits = _git(tree, "rev-list", "--reverse", f"{base_tag}..HEAD").split()
     names = _names(len(commits))
-    numbers = manifest_numbers()
     variants = [
         Variant("stock", "stock", stock, PREFIX_DIR / base_tag, subject=base_tag)
     ]
@@ -137,7 +120,7 @@ def discover(tree: Path = TREE, base_tag: str | None = None) -> Series:
     included: list[str] = []
     first = None
     for number, (commit, name) in enumerate(zip(commits, names, strict=True), 1):
-        tag = numbers.get(name, f"{number:04d}")
+        tag = f"{number:04d}"
         included.append(f"{tag} {name}")
         subject = _git(tree, "log", "-1", "--format=%s", commit)
         changed = _git(tree, "diff", "--name-only", f"{commit}^", commit).split()

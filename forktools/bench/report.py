@@ -2,15 +2,12 @@
 """Tables of the main job, rendered from its JSON only (nothing measured here).
 
 ``nixl_main_job.py`` writes ``build/bench/nixl_descriptors.json`` (schema in
-its docstring) and prints ``render_text`` of it; ``render_markdown`` gives the
-same figures as Markdown for the README and PR descriptions, and
-``forktools/docs_tables.py`` uses ``render_tables``. Tables: descriptors
-against the list floor; time against the memmove and NIXL floors; the
-PROJECTION to GPUs from published costs; the mixed pairs; the spread of the
-done ratios (``report_spread.py``).
+its docstring) and prints ``render_markdown`` of it; ``forktools/docs_tables.py``
+uses ``render_tables``. Tables: descriptors against the list floor; time
+against the memmove and NIXL floors; where a READ's time goes; the mixed
+pairs.
 
-    python -m forktools.bench.report [JSON] [--text]
-    python -m forktools.bench.report --spread RUN1.json RUN2.json RUN3.json
+    python -m forktools.bench.report [JSON]
 """
 
 from __future__ import annotations
@@ -19,32 +16,83 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from forktools.bench.report_legend import (
-    legend,
-    parked_lines,
-    projection_notes,
-    series_lines,
-)
-from forktools.bench.report_spread import (
-    SPREAD_HEAD,
-    SPREAD_PAIRED_HEAD,
-    scenario_label,
-    spread_rows,
-)
+from forktools.manifest import BASE_TAG, VLLM_VERSION
 from forktools.paths import BENCH_OUT, ROOT
 from forktools.tables import markdown_rows, num, ratio
 
 DEFAULT_JSON = BENCH_OUT / "nixl_descriptors.json"
 SCHEMA = 4
-# A terminal's width: the terminal report's tables and lines fit it. A wider
-# table is split into column groups, each repeating the row's first columns.
-TERMINAL = 160
 P3 = ("p50", "p95", "p99")
+RIG = (
+    "Quiet rig: one process per variant (its own tree), each holding one P/D "
+    "pair of pull workers whose NIXL agents are created as vLLM creates them "
+    "(UCX, num_threads=4, progress thread); the NIXL floor's two agents in one "
+    "more process. While a READ is timed every other process is stopped "
+    "(SIGSTOP), so only the measured pair's agents run; variants alternate READ "
+    "by READ, each READ followed by its NIXL floor (one floor READ per distinct "
+    "set of pieces: variants with the same layouts and block lists share it)."
+)
+MIXED_TEXT = (
+    f"Mixed pair (stock {VLLM_VERSION} and the fork; the same version, so the "
+    "compatibility hash accepts it): GLM-5.3 + MTP with no layout or block "
+    "size set, each side in a process of its own tree, which resolves its own "
+    "layout (as on CUDA) and registers it with a real pull worker; the decoder "
+    "handshakes with the prefiller's payload (compatibility hash checked) and "
+    "reads the job's replayed requests (the prefiller's ids from its tree's "
+    "pools, the decoder's from its own) through its own read path over UCX, "
+    "across the two processes when the trees differ (one process per tree: "
+    "stock + stock and series + series share it). Every READ checked: each "
+    "layer's pages on D hash to P's and no other byte of D changes. "
+    "Descriptors per READ from NIXL telemetry; no time (the two processes are "
+    "not on the quiet rig)."
+)
+# One line per column or term of the tables.
+DEFINITIONS = {
+    "variants": f"stock is the {BASE_TAG} tree; then each prefix of the series as "
+    "build/vllm builds it, every lever as that prefix ships it (its own tree, "
+    "nothing emulated); a prefix is numbered by its last patch's place in "
+    "series/manifest.toml.",
+    "registered descs": "regions x blocks of the KV memory one side registers "
+    "with NIXL.",
+    "descs/READ": "descriptors NIXL posted for one request's READs (telemetry "
+    "descCount, all handles).",
+    "list floor": "the fewest descriptors the READ's byte ranges allow: ranges "
+    "merged wherever contiguous on both sides within one registration per side.",
+    "memmove floor": "the list-floor pieces copied by one memmove each (ctypes, "
+    "a Python loop: ~1 us per piece on top of the bytes), same process, right "
+    "after the READ.",
+    "NIXL floor": "the same pieces posted by one bare NIXL READ between two "
+    "fresh agents created as vLLM creates them (prep_xfer_dlist before the "
+    "clock), like for like with the worker's READ: make_prepped_xfer with a "
+    "notification (notif_msg, as the worker posts it) + transfer, then one "
+    "check_xfer_state per poll after a yield, at least one, until DONE; in "
+    "the floor's process, one per READ and distinct set of pieces (variants "
+    "with the same layouts and block lists share it). no notif: the same "
+    "pieces without a notification, polled only while the post says PROC.",
+    "done": "from the call into the decoder's read path until NIXL reports "
+    "every READ of the request DONE (the caller polls as the NIXL floor "
+    "does).",
+    "vLLM ms": "what the worker's own code costs per READ, in CPU: the "
+    "calling thread's CPU time in the _read_blocks_for_req call (id checks, "
+    "sort, descriptor ids, make_prepped_xfer, transfer) minus its CPU time "
+    "in a bare make_prepped_xfer + transfer of the same ids on the same agent "
+    "and prepared lists (with a notification), posted right after the READ "
+    "is DONE. The post's wall time also holds waits for a core: on 2 cores "
+    "the agents' progress threads poll, and a post can wait a scheduler tick. "
+    "Waiting for DONE is in neither.",
+    "done/floor": "median over the READs of done / floor (memmove or NIXL).",
+    "staging ms": "d2h: the prefiller's save_kv_to_host of all the request's "
+    "blocks before the READ, timed on the sampled READs (the cold one, every "
+    "10th, the largest); h2d: the decoder's sync_recved_kv_to_device of the "
+    "READ's blocks after it, on the READs whose bytes are verified (CPU copy op "
+    "on host memory); the prefiller's host buffers get every block once, "
+    "untimed, when the pair is built.",
+    "cold ms": "each variant's first READ, not in the distributions.",
+}
 
 
 def load(json_path: str | Path) -> dict[str, Any]:
@@ -83,6 +131,11 @@ def regions(r: dict[str, Any]) -> str:
     return f"{reg['prefiller']['regions']} / {reg['decoder']['regions']}"
 
 
+def scenario_label(s: dict[str, Any]) -> str:
+    """The scenario column: position and key, SYNTHETIC layouts marked."""
+    return f"{s['short']} {s['key']}" + (" SYNTHETIC" if s["synthetic_layout"] else "")
+
+
 def _staging(r: dict[str, Any]) -> str:
     s = r["staging_ms"]
     parts = []
@@ -90,36 +143,6 @@ def _staging(r: dict[str, Any]) -> str:
         if s.get(key):
             parts.append(f"{key} {_ms(s[key]['p50'])} / {_ms(s[key]['p95'])}")
     return ", ".join(parts) or "-"
-
-
-def short_label(r: dict[str, Any]) -> str:
-    """A row's label without patch names: ``P+D: 0001-0010 series``."""
-    pairing = f"{r['pairing']}: " if r.get("pairing") else ""
-    variant = r["label"].removeprefix(pairing)
-    short = variant.split(" ")[0]
-    return pairing + short + (" series" if variant.endswith("(series)") else "")
-
-
-def _rows(
-    payload: dict[str, Any], short: bool = False
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(scenario, row) in the scenarios' order; ``short``: short labels."""
-    by_key = {s["key"]: s for s in payload["scenarios"]}
-    return [
-        (by_key[r["scenario"]], dict(r, label=short_label(r)) if short else r)
-        for r in payload["rows"]
-    ]
-
-
-def failure_notes(payload: dict[str, Any]) -> list[str]:
-    """Why a row has no figures: its message, out of the tables' cells."""
-    by_key = {s["key"]: s for s in payload["scenarios"]}
-    return [
-        f"{scenario_label(by_key[r['scenario']])} {r['label']}: {r['status']}: "
-        f"{r.get('error', '')}"
-        for r in payload["rows"]
-        if r["status"] != "ok" and r.get("error")
-    ]
 
 
 DESC_HEAD = (
@@ -158,13 +181,6 @@ SPLIT_HEAD = (
     "done - post ms",
     "NIXL floor ms",
     "no notif ms",
-)
-PROJ_HEAD = (
-    "scenario",
-    "variant",
-    "descs/READ p50 / p95 (measured)",
-    "projected post ms p50",
-    "projected post ms p95",
 )
 
 
@@ -209,10 +225,8 @@ def _time_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...] | None:
-    """p50s of where a READ's time goes (rows of schema-4 runs that have it)."""
-    if r["status"] != "ok" or "post_cpu_ms" not in r:
-        return None
+def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
+    """p50s of where a READ's time goes (rows with figures)."""
 
     def p50(key: str) -> str:
         return _ms((r.get(key) or {}).get("p50"))
@@ -228,80 +242,6 @@ def _split_cells(s: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...] | None
         _ms(r["done_ms"]["p50"] - r["post_ms"]["p50"]),
         p50("nixl_floor_ms"),
         p50("nixl_floor_no_notif_ms"),
-    )
-
-
-def _proj_cells(
-    s: dict[str, Any], r: dict[str, Any], proj: dict[str, Any]
-) -> tuple[str, ...]:
-    head = (scenario_label(s), r["label"])
-    if r["status"] != "ok":
-        return (*head, *_failed(r, len(PROJ_HEAD) - 2))
-    lo, hi = proj["us_per_desc"]["low"], proj["us_per_desc"]["high"]
-
-    def post(descs: float | None) -> str:
-        if descs is None:
-            return "n/a"
-        return f"{_ms(descs * lo / 1e3)} - {_ms(descs * hi / 1e3)}"
-
-    d = r["descs_per_read"]
-    return (*head, trio(d, num, ("p50", "p95")), post(d["p50"]), post(d["p95"]))
-
-
-def _fixed(rows: Sequence[Sequence[str]], left: set[int], keep: int = 2) -> list[str]:
-    """A fixed-width table; wider than ``TERMINAL``, several tables of column
-    groups, each repeating the first ``keep`` columns."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    groups: list[list[int]] = [[]]
-    used = sum(w + 2 for w in widths[:keep])
-    for i in range(keep, len(widths)):
-        if groups[-1] and used + widths[i] > TERMINAL:
-            groups.append([])
-            used = sum(w + 2 for w in widths[:keep])
-        groups[-1].append(i)
-        used += widths[i] + 2
-    out = []
-    for g, group in enumerate(groups):
-        cols = [*range(min(keep, len(widths))), *group]
-        if g:
-            out.append("")
-        for n, row in enumerate(rows):
-            out.append(
-                "  ".join(
-                    row[i].ljust(widths[i]) if i in left else row[i].rjust(widths[i])
-                    for i in cols
-                ).rstrip()
-            )
-            if n == 0:
-                out.append("  ".join("-" * widths[i] for i in cols))
-    return out
-
-
-def _wrap(line: str, width: int = TERMINAL) -> list[str]:
-    """One line of text wrapped at ``width``, continuation lines indented."""
-    indent = line[: len(line) - len(line.lstrip())]
-    return textwrap.wrap(
-        line, width, subsequent_indent=indent + "  ", break_on_hyphens=False
-    ) or [line]
-
-
-def _notes(payload: dict[str, Any]) -> list[str]:
-    return [
-        f"{r['scenario']}/{r['label']}: {note}"
-        for r in payload["rows"]
-        for note in r.get("notes", [])
-    ]
-
-
-def _source(payload: dict[str, Any], json_path: str | Path | None) -> str:
-    where = "the main job's JSON"
-    if json_path:
-        path = Path(json_path).resolve()
-        root = ROOT
-        where = f"`{path.relative_to(root) if path.is_relative_to(root) else path}`"
-    return (
-        f"From {where}, written by `{payload['written_by']}` at "
-        f"{payload['written_at']} ({payload['elapsed_s']:.0f} s)."
     )
 
 
@@ -339,127 +279,148 @@ def _mixed_cells(r: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ..
     )
 
 
-def upgrade_lines(payload: dict[str, Any], fmt: Any) -> list[str]:
+def upgrade_lines(payload: dict[str, Any], fmt: Any = markdown_rows) -> list[str]:
     """The mixed-pair table (``job_upgrade.py``), if the job ran it."""
     rows = payload.get("rolling_upgrade", {}).get("rows")
     if not rows:
         return []
-    text = payload["rolling_upgrade"]["text"]
-    lines = ["Mixed pair (P and D from different trees)", "", text, ""]
+    lines = ["Mixed pair (P and D from different trees)", "", MIXED_TEXT, ""]
     return lines + fmt([MIXED_HEAD, *(_mixed_cells(r, rows) for r in rows)])
 
 
-def _tables(payload: dict[str, Any], fmt: Any, short: bool = False) -> list[str]:
-    """Every table; ``short``: rows labelled without patch names (terminal)."""
-    rows = _rows(payload, short)
-    proj = payload["projection"]
+def legend(payload: dict[str, Any]) -> list[str]:
+    """Scenario descriptions, then each row's levers (indented)."""
+    lines = []
+    facts = payload["facts"]
+    for s in payload["scenarios"]:
+        base = payload["series"]["base_tag"].lstrip("v")
+        tag = (
+            f" (vLLM {base}'s allocator never builds this layout)"
+            if s["synthetic_layout"]
+            else ""
+        )
+        lines.append(f"{scenario_label(s)}: {s['label']}: {s['description']}{tag}.")
+        if s.get("rows"):
+            lines.append(
+                "    Rows: stock, the prefix through "
+                + " and through ".join(s["rows"])
+                + " (the patches that introduced this read path) and the "
+                "series; the other prefixes are left out to keep the job short."
+            )
+        for r in (r for r in payload["rows"] if r["scenario"] == s["key"]):
+            sw = r["switches"]
+            layout = r["layout"] or {}
+            res = facts.get(r["variant"], {}).get("resolution", {}).get(s["key"])
+            resolved = ""
+            if res and "error" in res:
+                resolved = f" (layout resolution failed: {res['error']})"
+            elif res:
+                resolved = (
+                    f" (resolved {res['resolved']}: supported "
+                    f"{'/'.join(res['supported'])}, connector {res['connector']})"
+                )
+            lines.append(
+                f"    {r['label']}: {layout.get('prefiller', '?')} -> "
+                f"{layout.get('decoder', '?')}{resolved}; order {sw['order']}, pool "
+                f"{sw['pool']}, staging {sw['staging']}"
+            )
+    return lines
+
+
+def series_lines(payload: dict[str, Any]) -> list[str]:
+    series = payload["series"]
+    lines = [
+        "Variants (each its own worktree of build/vllm, "
+        f"series HEAD {series['head'][:12]}): "
+        + "; ".join(
+            f"{v['key']} = {v['tree']} @ {v['commit'][:12]}" for v in series["variants"]
+        )
+        + "."
+    ]
+    if series["no_row"]:
+        lines.append(
+            "No row of their own (they change nothing under vllm/): "
+            + ", ".join(series["no_row"])
+            + "."
+        )
+    return lines
+
+
+def _tables(payload: dict[str, Any]) -> list[str]:
+    """Every table, as Markdown."""
+    by_key = {s["key"]: s for s in payload["scenarios"]}
+    rows = [(by_key[r["scenario"]], r) for r in payload["rows"]]
     lines = [
         "Descriptors (registered = regions x blocks per side; per READ: NIXL "
         "telemetry descCount)",
         "",
-    ]
-    lines += fmt([DESC_HEAD, *(_desc_cells(s, r) for s, r in rows)])
-    lines += ["", "Time, measured (warm READs; staging copies timed on their own)", ""]
-    lines += fmt([TIME_HEAD, *(_time_cells(s, r) for s, r in rows)])
-    split = [c for c in (_split_cells(s, r) for s, r in rows) if c is not None]
-    if split:
-        lines += [
-            "",
-            "Where a READ's time goes (p50 of each column on its own): the "
-            "call into _read_blocks_for_req (post) in wall time and in the "
-            "calling thread's CPU, a bare post of the same ids, and the wait "
-            "after the post until DONE; next to the NIXL floor with and "
-            "without a notification",
-            "",
-        ]
-        lines += fmt([SPLIT_HEAD, *split])
-    lines += ["", f"{proj['label']}: post time on GPUs from published costs", ""]
-    lines += fmt([PROJ_HEAD, *(_proj_cells(s, r, proj) for s, r in rows)])
-    mixed = upgrade_lines(payload, fmt)
-    lines += ["", *mixed] if mixed else []
-    if payload["config"]["repeat"] > 1:
-        lines += ["", f"Spread over {payload['config']['repeat']} passes", ""]
-        lines += fmt([SPREAD_HEAD, *spread_rows([payload])])
-    return lines
-
-
-def _failure_lines(payload: dict[str, Any], markdown: bool) -> list[str]:
-    notes = failure_notes(payload)
-    if not notes:
-        return []
-    head = "Rows without figures (`see below` in the tables):"
-    return ["", head, ""] + [f"- {n}" if markdown else f"  {n}" for n in notes]
-
-
-def render_text(payload: dict[str, Any], json_path: str | Path | None = None) -> str:
-    """The main job's report for a terminal (fixed-width tables)."""
-    lines = [
-        payload["setup"],
-        payload["rig"],
-        payload["lists_summary"],
-        payload["verification"]["text"],
-        *series_lines(payload),
+        *markdown_rows([DESC_HEAD, *(_desc_cells(s, r) for s, r in rows)]),
         "",
-    ]
-    lines += legend(payload) + [""]
-    lines += [
-        "Rows are labelled stock or by the prefix of the series they run "
-        "(0001-0003: patches 0001 to 0003); the patch names are in the legend "
-        "above.",
+        "Time, measured (warm READs; staging copies timed on their own)",
         "",
+        *markdown_rows([TIME_HEAD, *(_time_cells(s, r) for s, r in rows)]),
+        "",
+        "Where a READ's time goes (p50 of each column on its own): the call into "
+        "_read_blocks_for_req (post) in wall time and in the calling thread's "
+        "CPU, a bare post of the same ids, and the wait after the post until "
+        "DONE; next to the NIXL floor with and without a notification",
+        "",
+        *markdown_rows(
+            [SPLIT_HEAD, *(_split_cells(s, r) for s, r in rows if r["status"] == "ok")]
+        ),
     ]
-    lines += _tables(payload, lambda rows: _fixed(rows, {0, 1, 2}), short=True)
-    lines += _failure_lines(payload, markdown=False)
-    lines += parked_lines(payload)
-    lines += ["", *projection_notes(payload)]
-    lines += [f"{name}: {text}" for name, text in payload["definitions"].items()]
-    notes = _notes(payload)
-    if notes:
-        lines += ["Notes:", *(f"  {n}" for n in notes)]
-    steps = payload.get("timing", [])
-    if steps:
-        lines.append(
-            "Job seconds (wall / CPU of all its processes): "
-            + "; ".join(
-                f"{t['step']} {t['wall_s']:.0f} / {t['cpu_s']:.0f}" for t in steps
-            )
-        )
-    lines.append(_source(payload, json_path))
-    return "\n".join(w for line in lines for w in _wrap(line))
+    mixed = upgrade_lines(payload)
+    return lines + (["", *mixed] if mixed else [])
+
+
+def _footnotes(payload: dict[str, Any]) -> list[str]:
+    """Why a row has no figures, and what the byte checks noted."""
+    by_key = {s["key"]: s for s in payload["scenarios"]}
+    failed = [
+        f"- {scenario_label(by_key[r['scenario']])} {r['label']}: {r['status']}: "
+        f"{r.get('error', '')}"
+        for r in payload["rows"]
+        if r["status"] != "ok" and r.get("error")
+    ]
+    notes = [
+        f"- {r['scenario']}/{r['label']}: {note}"
+        for r in payload["rows"]
+        for note in r.get("notes", [])
+    ]
+    lines = ["", "Rows without figures (`see below` in the tables):", ""] + failed
+    return (lines if failed else []) + (["", "Notes:", "", *notes] if notes else [])
 
 
 def render_tables(payload: dict[str, Any]) -> list[str]:
-    """The tables, sources and definitions as Markdown lines.
+    """The tables, footnotes, legend and definitions as Markdown lines.
 
     For renderers that load the JSON themselves and add their own source
     line (``forktools/docs_tables.py``'s ``SOURCES``).
     """
-    lines = _tables(payload, markdown_rows)
-    lines += _failure_lines(payload, markdown=True)
-    lines += parked_lines(payload, markdown=True)
-    lines.append("")
+    lines = [*_tables(payload), *_footnotes(payload), ""]
     lines += [
         f"- {line.strip()}" if not line.startswith("    ") else f"    - {line.strip()}"
-        for line in [*legend(payload), *projection_notes(payload)]
+        for line in legend(payload)
     ]
-    lines += [f"- {name}: {text}" for name, text in payload["definitions"].items()]
+    lines += [f"- {name}: {text}" for name, text in DEFINITIONS.items()]
     lines += [f"- {line}" for line in series_lines(payload)]
     return lines
 
 
 def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
-    """README / cover-letter tables of the main job, from its JSON."""
+    """The main job's report, from its JSON."""
     payload = load(json_path)
+    path = Path(json_path).resolve()
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     lines = [
         payload["setup"],
         "",
-        " ".join(
-            (payload["rig"], payload["lists_summary"], payload["verification"]["text"])
-        ),
+        " ".join((RIG, payload["lists_summary"], payload["verification"]["text"])),
         "",
         *render_tables(payload),
         "",
-        f"_{_source(payload, json_path)}_",
+        f"_From `{where}`, written by `{payload['written_by']}` at "
+        f"{payload['written_at']} ({payload['elapsed_s']:.0f} s)._",
     ]
     return "\n".join(lines)
 
@@ -467,29 +428,7 @@ def render_markdown(json_path: str | Path = DEFAULT_JSON) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="?", default=str(DEFAULT_JSON))
-    parser.add_argument("--text", action="store_true", help="terminal tables")
-    parser.add_argument(
-        "--spread",
-        nargs="+",
-        metavar="JSON",
-        help="done ratios vs stock across these runs",
-    )
-    args = parser.parse_args(argv)
-    if args.spread:
-        payloads = [load(p) for p in args.spread]
-        rows = spread_rows(payloads)
-        head = SPREAD_HEAD + (SPREAD_PAIRED_HEAD if len(payloads) > 1 else ())
-        print("\n".join(markdown_rows([head, *rows])))
-        print(
-            "\nA row is within +-10% when every run's ratio is within 10% of the "
-            "runs' median. Paired: every variant reads the same requests in the "
-            "same order as stock, so READ i of both moves the same blocks."
-        )
-        return 0 if all("NO" not in r for r in rows) else 1
-    if args.text:
-        print(render_text(load(args.json), args.json))
-    else:
-        print(render_markdown(args.json))
+    print(render_markdown(parser.parse_args(argv).json))
     return 0
 
 

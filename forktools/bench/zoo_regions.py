@@ -11,18 +11,13 @@ process of its own tree:
   ``build/prefixes/v<version>`` of ``series/release.toml`` by default, made
   when missing): per-layer host staging buffers, standard reads;
 - series: the fork as built (``--fork``, ``build/vllm``): with the layout
-  stack and host staging mirroring single-group MLA rows. While
-  ``series/manifest.toml`` parks those patches the column is the built
-  series' and the lines ``parked: ...`` name what it lacks.
+  stack and host staging mirroring single-group MLA rows.
 
 and print the regions each side registers, the regions the decoder reads and,
 where a side stages, the host bytes per block it allocates for staging (the
 distinct host allocations behind its staging buffers, over the zoo's blocks).
 "refused" is a handshake the worker refuses; "failed" a pair the zoo could
-not build on that tree. If ``forktools/harness/layout_zoo.py`` does not import on a
-tree (checks/ being ported to a new release) the script prints ``parked:
-<reason>`` and exits with status 75 (``PARKED``), which ``tools/main.sh``
-reports and passes. Run from the repository:
+not build on that tree. Run from the repository:
 
     python -m forktools.bench.zoo_regions [--layers 78] [--json FILE]
 """
@@ -38,11 +33,6 @@ from typing import Any
 
 from forktools.paths import PREFIX_DIR, ROOT, TREE
 
-# Exit status of a run whose checks/ code does not work on a tree yet.
-PARKED = 75
-# Patches whose figures the series column shows once built (mirrored host
-# staging, page reads into rows).
-SERIES_FEATURES = ("nixl-row-page-reads", "nixl-mirrored-host-staging")
 # A layout name with this suffix is built with its pages in another order
 # (``build_zoo_layout(permute_seed=1)``).
 PERMUTED = "@permuted"
@@ -140,28 +130,16 @@ def _pair(zoo: Any, p_name: str, d_name: str, layers: int) -> dict:
 
 def _column(column: str, layers: int) -> int:
     """Child: one column's rows of this process's tree, as JSON on stdout."""
-    # The main job's filter: log lines every CPU-only run prints are hidden
-    # and counted, any other line is shown once.
-    from forktools.bench.job_noise import (
-        NOISE,
-        filter_library_handlers,
-        hide_expected_noise,
-    )
+    # The main job's filter: log lines every CPU-only run prints are hidden,
+    # any other line is shown once.
+    from forktools.bench.job_noise import filter_library_handlers, hide_expected_noise
 
     hide_expected_noise()
-    try:
-        import forktools.harness.layout_zoo as zoo
-    except Exception as e:  # noqa: BLE001 - checks/ not ported to this tree
-        reason = (
-            f"forktools/harness/layout_zoo.py does not import: {type(e).__name__}: {e}"
-        )
-        print(json.dumps({"parked": reason.splitlines()[0]}))
-        return 0
+    import forktools.harness.layout_zoo as zoo
 
     filter_library_handlers()
     rows = [_pair(zoo, p, d, layers) for p, d in PAIRS]
-    hidden = sum(NOISE.hidden.values())
-    print(json.dumps({"rows": rows, "hidden": hidden, "repeats": NOISE.repeats}))
+    print(json.dumps({"rows": rows}))
     return 0
 
 
@@ -186,19 +164,6 @@ def _run_column(column: str, tree: Path, layers: int) -> dict[str, Any]:
         check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _parked_features() -> list[str]:
-    """``parked: ...`` for each series feature whose patch the manifest parks."""
-    from forktools.bench.job_parked import parked_patches
-
-    parked = {p.name: p for p in parked_patches()}
-    return [
-        f"parked: zoo regions, series column with {name}: needs "
-        f"{parked[name].label} ({parked[name].reason})"
-        for name in SERIES_FEATURES
-        if name in parked
-    ]
 
 
 def _cell(side: dict) -> str:
@@ -257,11 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         "stock": _run_column("stock", args.stock, args.layers),
         "series": _run_column("series", args.fork, args.layers),
     }
-    parked = [f"{k}: {c['parked']}" for k, c in columns.items() if "parked" in c]
-    if parked:
-        for reason in parked:
-            print(f"parked: zoo regions ({reason})")
-        return PARKED
     rows = [
         {
             "prefill": p_name,
@@ -280,18 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     ]
     print_table(rows, args.layers)
-    for line in _parked_features():
-        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-    hidden = sum(c["hidden"] for c in columns.values())
-    repeats = sum(c["repeats"] for c in columns.values())
-    if hidden or repeats:
-        print(
-            f"({hidden} log lines every CPU-only run prints hidden, "
-            f"{repeats} repeats of lines shown once)"
-        )
     return 0
 
 
