@@ -105,7 +105,7 @@ def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
             rows=[r for r in data["rows"] if r["scenario"] in keys],
             rolling_upgrade={},
         )
-    return [data["setup"], "", data["rig"], "", data["verification"]["text"], "",
+    return [data["setup"], "", report.RIG, "", data["verification"]["text"], "",
             *report.render_tables(data)]  # fmt: skip
 
 
@@ -151,20 +151,11 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
         f"{r.get('error', '')}"
         for r in failed
     ]
-    parked = data.get("parked") or {}
-    if parked.get("count"):
-        names = ", ".join(p["name"] for p in parked["patches"])
-        notes.append(
-            f"- Parked: {parked['count']} rows of the main job need a patch the "
-            f"manifest parks ({names}); they are listed on the main job's page "
-            "and return with those patches."
-        )
-    built = "the series as built" if parked.get("count") else "the whole series"
     return [
         *markdown(header, body),
         "",
         *([*notes, ""] if notes else []),
-        f"Stock is vLLM {VLLM_VERSION}, series {built}, each in its own tree "
+        f"Stock is vLLM {VLLM_VERSION}, series the whole series, each in its own tree "
         "and process with the layout it resolves; regions P / D: what each side "
         "registers with NIXL; descs/READ: NIXL telemetry descCount per "
         "request's READ, over the job's replayed block lists (-: stock has no "
@@ -314,16 +305,12 @@ def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
-def render_e2e(data: dict[str, Any], part: str | None) -> list[str]:
-    """checks/e2e/driver.py --json: real engines, stock and the series.
+def render_served(data: dict[str, Any], _: str | None) -> list[str]:
+    """The served suite's result: its page's pairings table and note."""
+    from checks.served import report
 
-    ``e2e:pairings``: the pairings table and its note only.
-    """
-    from checks.e2e import report as e2e_report
-
-    if part == "pairings":
-        return e2e_report.pairing_rows(data) + [""] + e2e_report.notes(data)
-    return e2e_report.render(data)
+    page = report.page_data(data)
+    return report.pairing_rows(page) + [""] + report.notes(page)
 
 
 def render_run_costs(data: dict[str, Any], _: str | None) -> list[str]:
@@ -446,11 +433,10 @@ SOURCES: dict[str, Source] = {
     "run-costs": Source(
         ROOT / "build" / "costs" / "test.json", "bash tools/test.sh", render_run_costs
     ),
-    # The test command's e2e suite (a fresh clone's run includes the build of
-    # the CPU extension); bash tools/main.sh prints the same tables.
-    "e2e": Source(
-        ROOT / "build" / "e2e" / "e2e.json", "bash tools/test.sh", render_e2e
-    ),  # fmt: skip
+    # The test command's served suite; bash tools/main.sh runs it last.
+    "served": Source(
+        ROOT / "build" / "served" / "served.json", "bash tools/test.sh", render_served
+    ),
     "posting-cost": Source(
         BENCH / "posting_cost.json",
         ".venv/bin/python -m forktools.bench.posting_cost "

@@ -19,11 +19,9 @@ Run it with the project venv's python after `forktools/fork.py build` (that is w
 * ``mutations``: each exported test file must fail on a fork with one
   deliberate break (``MUTATIONS`` in ``testrun/mutations.py``).
 * ``lint:project``: ruff over the project's own Python (``tools/ruff.toml``).
-* ``e2e``: real vLLM engines, prefill + decode over NIXL on CPU, stock and
-  series trees (``checks/e2e``), with the CPU extension ``forktools/cpu_ext.py``
-  builds once and caches.
 * ``served``: P/D as users run it: ``vllm serve`` for P and D (stock and
-  series trees), vLLM's toy proxy and an HTTP client (``checks/served``).
+  series trees), vLLM's toy proxy and an HTTP client (``checks/served``),
+  with the CPU extension ``forktools/cpu_ext.py`` builds once and caches.
 
 Counts come from ``--junitxml``; pytest exit 5 (nothing collected) is 0 tests,
 not a failure, and is noted in the table. Logs and junit files go to
@@ -66,7 +64,7 @@ from forktools.testrun.common import (
 )
 from forktools.testrun.lint import run_lint, run_lint_project, update_mypy_baseline
 from forktools.testrun.mutations import run_mutations
-from forktools.testrun.project_checks import run_checks, run_e2e, run_served
+from forktools.testrun.project_checks import run_checks, run_served
 from forktools.testrun.pytest_runs import BATCHED, run_batch, run_pytest, run_stack1
 from forktools.testrun.report import print_table, write_summary
 from forktools.testrun.suites import SUITES, Suite
@@ -86,8 +84,6 @@ def run_suite(suite: Suite, touched: list[str], env: dict[str, str]) -> list[Res
         res = run_checks(suite, log, env)
     elif suite.kind == "mutations":
         res = run_mutations(log, env)
-    elif suite.kind == "e2e":
-        res = run_e2e(suite, log, env)
     elif suite.kind == "served":
         res = run_served(suite, log, env)
     elif suite.kind == "roundtrip":

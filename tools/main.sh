@@ -9,20 +9,18 @@
 # it, numbered by its last patch's place in series/manifest.toml: each the
 # real code of its own worktree of build/vllm under build/prefixes/, one
 # process each, stopped while another reads), against the memmove and NIXL
-# floors, with a GPU post-time projection from published costs. Rows that
-# need a patch the manifest parks are listed ("parked: <row>: needs <patch>",
-# with a count), never run. Writes build/bench/nixl_descriptors.json and
-# prints the tables rendered from it,
+# floors. Writes build/bench/nixl_descriptors.json and prints the tables
+# rendered from it,
 # then the regions per zoo P/D pair (forktools/bench/zoo_regions.py,
 # build/bench/zoo_regions.json) and one line per fault case on stock, the
 # read paths' prefixes and the series (forktools/bench/fault_lines.py,
-# build/bench/faults.json), then real engines end to end: prefill and decode
-# vLLM engines over NIXL on CPU, stock and series trees, each tiny model
-# (checks/e2e/driver.py, build/bench/e2e.json; the first run also builds
-# vLLM's CPU extension, which forktools/cpu_ext.py caches). Each phase's time,
+# build/bench/faults.json), then P/D served by real vLLM engines over NIXL on
+# CPU, stock and series trees, each tiny model (checks/served/suite.py,
+# build/served/served.json; the first run also builds vLLM's CPU extension,
+# which forktools/cpu_ext.py caches). Each phase's time,
 # the peak memory and the disk go to build/costs/main.json (README's
 # run-costs table). Extra arguments go to the job (default:
-# --out build/bench --verify sample), e.g. --repeat 3, --quick, or
+# --out build/bench --verify sample), e.g. --quick, or
 # --scenarios blhnc-row --variants series.
 #
 # FORK_NO_BUILD=1 skips `fork.py build` and runs against build/vllm as it is
@@ -73,37 +71,26 @@ export HF_HOME="$HF_DIR" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
 # "requires Triton" gate on CPU-only hosts).
 export PYTHONPATH="$TREE:$ROOT:$ROOT/tools/test_site"
 "$VPY" -m "$BENCH" "$@"
-# zoo_regions.py and fault_lines.py exit with PARKED (75) when checks/ does
-# not work on the release yet: they print "parked: <reason>" and the job goes
-# on; any other failure stops it.
-PARKED=75
-parked_ok() {
-  local rc=0
-  "$@" || rc=$?
-  if [[ $rc == "$PARKED" ]]; then
-    echo "main: $2 parked (see the parked: line above)"
-  elif [[ $rc != 0 ]]; then
-    exit "$rc"
-  fi
-}
 # Regions per planner-built P/D pair beyond the job's scenarios, stock and
 # with the series (recorded NIXL, ~20 s).
 echo
 echo "main: regions per P/D pair of the layout zoo (forktools/bench/zoo_regions.py)"
-parked_ok "$VPY" -m forktools.bench.zoo_regions --json build/bench/zoo_regions.json
+"$VPY" -m forktools.bench.zoo_regions --json build/bench/zoo_regions.json
 # One line per fault case: the outcome on stock, on the prefixes that
-# introduced a read path (parked ones listed), and on the series
-# (checks/faults.py, ~1 min).
+# introduced a read path, and on the series (checks/faults.py, ~1 min).
 echo
 echo "main: fault cases per tree (forktools/bench/fault_lines.py)"
-parked_ok "$VPY" -m forktools.bench.fault_lines --json build/bench/faults.json
-# Real engines: a prefill and a decode engine per tree (stock in
-# build/stock, the series in build/vllm) for each tiny model, with the CPU
-# extension forktools/cpu_ext.py builds once and caches.
+"$VPY" -m forktools.bench.fault_lines --json build/bench/faults.json
+# Real engines as users run P/D: `vllm serve` for P and D of each tree (stock
+# in build/stock, the series in build/vllm) and each tiny model, the toy
+# proxy and an HTTP client, with the CPU extension forktools/cpu_ext.py
+# builds once and caches. Writes build/served/served.json (the docs tables
+# read it) and prints its table.
 echo
 costs mark engines
-echo "main: real engines end to end (checks/e2e/driver.py)"
+echo "main: P/D served by real engines (checks/served/suite.py)"
 STOCK=$("$VPY" -c 'from forktools.testrun.project_checks import stock_worktree
 print(stock_worktree())')
 "$VPY" -m forktools.cpu_ext install "$TREE" "$STOCK"
-STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.e2e.driver --json build/bench/e2e.json
+STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.served.suite --json build/served/served.json
+PYTHONPATH=$ROOT "$VPY" -m forktools.docs_tables served

@@ -65,7 +65,7 @@ TEST_PKGS=(
   pybase64 cachetools cloudpickle msgspec uvloop py-cpuinfo prometheus_client
   fastapi partial-json-parser llguidance einops ray apache-tvm-ffi pydantic
   matplotlib tqdm regex pyyaml
-  # The end-to-end engines (checks/e2e): what the engine imports on top, and
+  # The engines of the served suite: what the engine imports on top, and
   # what forktools/cpu_ext.py builds the CPU extension with (the release's
   # requirements/build/cpu.txt range).
   compressed-tensors loguru "cmake>=3.26.1,<4" ninja

@@ -14,8 +14,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checks.e2e.common import KV_ROLES
-from checks.e2e.models import LLAMA, MAX_MODEL_LEN, TinyModel
+from checks.served.common import KV_ROLES
+from checks.served.models import LLAMA, MAX_MODEL_LEN, TinyModel
 
 # What the pool is carved from. Without an explicit size, 0.34.0 on CPU
 # reserves a share of the node's RAM per server and refuses to start when
@@ -148,7 +148,7 @@ def readme_block() -> str:
             for role in ("prefill", "decode"))  # fmt: skip
     toy = proxy(ports["proxy"], ports["prefill"][0], ports["decode"][0]).shell()
     return "\n".join([
-        "MODEL=$(.venv/bin/python -m checks.e2e.models | grep llama-gqa)",
+        "MODEL=$(.venv/bin/python -m checks.served.models | grep llama-gqa)",
         "", "# prefiller (P)", p + " &",
         "", "# decoder (D)", d + " &",
         "", "# the toy proxy (a test proxy): P first, then D", toy + " &",

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The served suite's faults on the Llama, each with what the client must see.
+"""The served suite's faults on the hybrid, each with what the client must see.
 
 The prefiller killed before the decoder's READ and during it, under both
-``kv_load_failure_policy`` values, and the decoder killed. The outcome of
-each case is written down (``FAULTS``) before the run checks it; the
-client's wait is bounded.
+``kv_load_failure_policy`` values, and the decoder killed. The hybrid has
+two KV cache groups, so the decoder reports a failed READ per request, not
+per block. The outcome of each case is written down (``FAULTS``) before the
+run checks it; the client's wait is bounded.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from checks.e2e.common import HANDSHAKE_TRIES, MAX_TOKENS, prompts
-from checks.e2e.models import LLAMA
 from checks.served import serving
+from checks.served.common import HANDSHAKE_TRIES, MAX_TOKENS, prompts
+from checks.served.models import TinyModel
 from checks.served.serving import COMPLETION, COUNT, EXPIRED, Fleet, Proxy, Server, seen
 
 # A READ from a dead prefiller must end well before this: longer is a hang.
@@ -69,7 +70,7 @@ FAULTS = {
         "setup": "the case above, on the 'recompute' decoder: the same "
         "prefiller, stopped with both READs pending, then killed",
         "expected": "the decoder answers 200 within the bounded wait with "
-        "the oracle's tokens: it computes the blocks whose READ failed",
+        "the oracle's tokens: it computes the prompt whose READ failed",
     },
     "decode-killed": {
         "setup": "the stock decoder's process group is killed, then the "
@@ -121,10 +122,10 @@ def prepare_read_faults(p: Server) -> dict[str, Any]:
     return {"prompts": ps, "oracle": oracle, "before_params": params}
 
 
-def start_fault_servers(f: Fleet) -> tuple[Server, Server]:
-    """The Llama's series prefiller and "recompute" decoder, over TCP only."""
-    p = f.add(Server(LLAMA, "prefill", "series", "-tcp", env=TCP_ONLY))
-    d = f.add(Server(LLAMA, "decode", "series", "-recompute", policy="recompute",
+def start_fault_servers(f: Fleet, model: TinyModel) -> tuple[Server, Server]:
+    """The series prefiller and "recompute" decoder, over TCP only."""
+    p = f.add(Server(model, "prefill", "series", "-tcp", env=TCP_ONLY))
+    d = f.add(Server(model, "decode", "series", "-recompute", policy="recompute",
                      env=TCP_ONLY))  # fmt: skip
     serving.wait_all([p, d])
     return p, d
@@ -223,11 +224,11 @@ def decode_killed_finish(p: Server, case: dict[str, Any]) -> dict[str, Any]:
     return case
 
 
-def run_llama_faults(
-    f: Fleet, servers: Servers, proxies: Proxies, oracle: list[int],
-    out: dict[str, Any], timed: Callable[..., Any],
+def run_faults(
+    f: Fleet, model: TinyModel, servers: Servers, proxies: Proxies,
+    oracle: list[int], out: dict[str, Any], timed: Callable[..., Any],
 ) -> tuple[Server, dict[str, Any]]:  # fmt: skip
-    """The Llama's faults into ``out["faults"]``, the decoder-killed one's end
+    """The model's faults into ``out["faults"]``, the decoder-killed one's end
     aside: its prefiller (left running while its lease runs out) and the case
     so far. ``oracle``: the long prompt's tokens."""
     prep = prepare_read_faults(servers["prefill", "stock"])
@@ -239,8 +240,8 @@ def run_llama_faults(
     for proc in [*servers.values(), *proxies.values()]:
         if proc not in (holder, d_fail):
             proc.stop()
-    p, d = timed(f"start {LLAMA.name} fault servers", start_fault_servers, f)
-    out["faults"] += timed(f"faults {LLAMA.name}", read_faults, p, d, d_fail, prep)
+    p, d = timed(f"start {model.name} fault servers", start_fault_servers, f, model)
+    out["faults"] += timed(f"faults {model.name}", read_faults, p, d, d_fail, prep)
     p.stop()
     d.stop()
     return holder, pending

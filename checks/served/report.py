@@ -9,7 +9,6 @@ is regenerated from the last run's data without changing a number:
 
     python -m checks.served.report                # from build/served/served.json
     python -m checks.served.report --from-page-data   # from project-docs/served.json
-    python -m checks.served.report --check        # exit 1 if the page differs
 
 Pure: imports nothing of vLLM (matplotlib for the PNG only).
 """
@@ -24,6 +23,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from checks.served.models import MODELS
 from forktools.paths import BUILD, DOCS
 from forktools.tables import markdown, num
 
@@ -61,9 +61,15 @@ def page_data(run: dict[str, Any]) -> dict[str, Any]:
         | {"seen": f["seen"]["kind"], "status": f["seen"].get("status")}
         for f in run["faults"]
     ]
+    controls = {
+        m["model"]: m["negative_control"]["differs"]
+        for m in run["models"]
+        if "negative_control" in m
+    }
     return {
         "reads": reads,
         "pairings": pairings,
+        "controls": controls,
         "faults": faults,
         "seconds": run["seconds"],
         "phases": run.get("phases", {}),
@@ -71,18 +77,78 @@ def page_data(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+ORACLES = {"single": "single engine", "stock-pd": "stock P + stock D"}
+
+
+def pairing_rows(data: dict[str, Any]) -> list[str]:
+    """Per model and pairing: tokens, READs and descriptors (``/metrics``),
+    descriptors per READ and post time (the per-READ log), bytes read."""
+    rows = []
+    for p in data["pairings"]:
+        reads = [
+            r
+            for r in data["reads"]
+            if (r["model"], r["pair"]) == (p["model"], p["pair"])
+        ]
+        descs = [r["descriptors"] for r in reads]
+        rows.append([
+            p["model"], p["pair"], ORACLES[p["oracle"]],
+            f"{p['equal']} / {p['requests']}", num(p["metrics_reads"], 3),
+            num(p["metrics_descriptors"], 3),
+            f"{num(statistics.median(descs))} / {max(descs)}",
+            num(statistics.median(r["post_ms"] for r in reads), 3),
+            f"{sum(r['kib'] for r in reads) / 1024:.2f}",
+        ])  # fmt: skip
+    return markdown(
+        ["model", "P -> D", "oracle", "tokens = oracle", "READs", "descriptors",
+         "descriptors per READ p50 / max", "post ms p50", "MiB read"],
+        rows,
+    )  # fmt: skip
+
+
+def notes(data: dict[str, Any]) -> list[str]:
+    """The negative control's and the faults' outcomes and what the figures
+    are, in words."""
+    controls = ", ".join(
+        f"{model} {'tokens differ' if differs else 'SAME TOKENS'}"
+        for model, differs in data["controls"].items()
+    )
+    faults = ", ".join(
+        f"{f['case']} {'as written' if f['ok'] else 'NOT AS WRITTEN'}"
+        for f in data["faults"]
+    )
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in data["phases"].items())
+    load = data.get("loadavg")
+    note = (
+        "READs and descriptors are the decoder's /metrics; descriptors per "
+        "READ and post time NIXL's own telemetry (descCount) in the decoder. "
+        "Mixed pairs run after the same-tree pairs, each on a prompt variant "
+        "neither of its servers has cached (the MLA model: the same prompts, "
+        "its backend keeps no prefix cache), so they compare with each other, "
+        "not with the same-tree rows. Negative control (stock P -> series D, "
+        f"the decoder pointed at another prompt's blocks): {controls or '-'}. "
+        f"Faults: {faults or '-'}. "
+        "Post and transfer times are wall time on a shared 2-core machine. "
+        f"The whole suite took {data['seconds']:.0f} s ({phases})"
+        + (f"; 1-minute load average {load[0]:.1f} at its start and "
+           f"{load[1]:.1f} at its end." if load else ".")
+    )  # fmt: skip
+    return textwrap.wrap(note, width=76, break_on_hyphens=False)
+
+
 INTRO = """\
 # Served P/D (vllm serve, the toy proxy, HTTP)
 
 [Back to the README](../README.md)
 
-The `served` suite of the test command (`checks/served/`) starts P/D as
-users do: `vllm serve` (`python -m vllm.entrypoints.cli.main serve`) for the
-prefiller and for the decoder, multiprocessing on, each with its
-`--kv-transfer-config` (NixlConnector, `kv_producer` / `kv_consumer`), vLLM's
-toy proxy in front, and a plain HTTP client that sends token-id prompts to
-`/v1/completions`. The servers run stock 0.34.0 (`build/stock`) or the
-series (`build/vllm`); the command lines are README's
+The `served` suite of the test command (`checks/served/`) runs real vLLM
+engines as users run P/D: `vllm serve` (`python -m vllm.entrypoints.cli.main
+serve`) for the prefiller and for the decoder, multiprocessing on, each with
+its `--kv-transfer-config` (NixlConnector, `kv_producer` / `kv_consumer`,
+NIXL over UCX on host DRAM), vLLM's toy proxy in front, and a plain HTTP
+client that sends token-id prompts to `/v1/completions`. The servers run
+stock 0.34.0 (`build/stock`) or the series (`build/vllm`), in all four
+pairings; the command lines are README's
 [Run P/D with the series](../README.md#run-pd-with-the-series) ones
 (`checks/served/commands.py` builds both). A per-READ log in the servers
 (`checks/served/site/sitecustomize.py`, on the suite's `PYTHONPATH` only)
@@ -90,20 +156,42 @@ records NIXL's own telemetry of each READ on the decoder (`descCount`, post
 and transfer time), which the `/metrics` histograms (buckets of 10
 descriptors, 1 ms) cannot resolve for tiny models.
 
-Everything below is generated by `python -m checks.served.report` from the
-last run's data (`project-docs/served.json`), not typed by hand.
+## Models and oracles
+
+Each model is made locally from a config with seeded random weights
+(`checks/served/models.py`, no hub) and served in fp32, eager. The hybrid's
+`layer_types` and `sliding_window` make a full-attention and a
+sliding-window KV cache group (the decoder reads only the window's blocks
+of the second); the faults run on it, where a failed READ fails or
+recomputes the request, not some of its blocks.
+"""
+MORE = """\
+The single engine (each prompt whole on a prefiller) cannot be the MLA
+model's oracle: stock's `CPU_MLA` computes one context's next-token logits
+differently through its prefill path (SDPA) and its decode path
+(`mla_decode_kvcache`), by tenths of a nat, with no connector involved, and
+a P/D decoder takes the decode path for the token the single engine takes
+from its prefill path. `test_oracle_choice_still_holds` fails the day the
+single engine gives stock P + stock D's tokens (then it is the oracle).
+
+`bash tools/test.sh --only served` runs the suite (`build/served/`: its
+result, the servers' logs and per-READ logs); `bash tools/main.sh` runs it
+last. Everything below is generated by `python -m checks.served.report`
+from the last run's data (`project-docs/served.json`), not typed by hand.
 """
 
 
-def render(data: dict[str, Any]) -> str:
-    lines = [INTRO, "## Pairings", ""]
-    lines += markdown(
-        ["model", "P -> D", "oracle", "tokens = oracle", "P/D requests",
-         "READs on D's /metrics", "descriptors on D's /metrics"],
-        [[p["model"], p["pair"], p["oracle"], f"{p['equal']} / {p['requests']}",
-          p["requests"], num(p["metrics_reads"], 3), num(p["metrics_descriptors"], 3)]
-         for p in data["pairings"]],
+def model_rows() -> list[str]:
+    return markdown(
+        ["model", "backend", "block size", "KV cache groups", "oracle"],
+        [[f"`{m.name}`", f"`{m.backend}`", m.block_size, m.kv_groups,
+          ORACLES[m.oracle]] for m in MODELS],
     )  # fmt: skip
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = [INTRO, *model_rows(), "", MORE, "## Pairings", "", *pairing_rows(data)]
+    lines += ["", *notes(data)]
     lines += ["", "## Per READ", ""]
     lines += markdown(
         ["model", "P -> D", "prompt", "prompt tokens", "descriptors", "post ms",
@@ -113,25 +201,8 @@ def render(data: dict[str, Any]) -> str:
          for r in data["reads"]],
     )  # fmt: skip
     lines += ["", "![descriptors and post time per READ](served.png)", ""]
-    summary = []
-    for model in _models(data):
-        for pair in SAME_TREE:
-            rows = [
-                r for r in data["reads"] if (r["model"], r["pair"]) == (model, pair)
-            ]
-            descs = [r["descriptors"] for r in rows]
-            posts = [r["post_ms"] for r in rows]
-            if rows:
-                summary.append([model, pair, num(statistics.median(descs), 3),
-                                max(descs), sum(descs),
-                                num(statistics.median(posts), 3)])  # fmt: skip
-    lines += ["## Stock and series, same requests", ""]
-    lines += markdown(
-        ["model", "P -> D", "descriptors per READ p50", "max", "total", "post ms p50"],
-        summary,
-    )
     lines += [
-        "", "## Faults", "",
+        "## Faults", "",
         "Each case's client-visible outcome was written down (`faults.FAULTS`) "
         "before the run checked it; the client's wait is bounded.", "",
     ]  # fmt: skip
@@ -146,19 +217,7 @@ def render(data: dict[str, Any]) -> str:
             break_on_hyphens=False,
             break_long_words=False,
         )
-    phases = ", ".join(f"{k} {v:.0f} s" for k, v in data["phases"].items())
-    load = data.get("loadavg")
-    note = (
-        "Mixed pairs run after the same-tree pairs, each on a prompt variant "
-        "neither of its servers has cached, so they compare with each other, "
-        "not with the same-tree rows. Post and transfer times are wall time "
-        "on a shared 2-core machine. The whole suite took "
-        f"{data['seconds']:.0f} s ({phases})"
-        + (f"; 1-minute load average {load[0]:.1f} at its start and "
-           f"{load[1]:.1f} at its end." if load else ".")
-    )  # fmt: skip
-    lines += ["", *textwrap.wrap(note, width=76, break_on_hyphens=False), ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, ""])
 
 
 def _models(data: dict[str, Any]) -> list[str]:
@@ -202,19 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=RUN_JSON)
     parser.add_argument("--from-page-data", action="store_true")
-    parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
-    if args.check or args.from_page_data:
+    if args.from_page_data:
         data = json.loads(DATA.read_text(encoding="utf-8"))
     else:
         data = page_data(json.loads(args.json.read_text(encoding="utf-8")))
-    text = render(data)
-    if args.check:
-        same = PAGE.exists() and PAGE.read_text(encoding="utf-8") == text
-        print(f"{PAGE}: {'up to date' if same else 'differs from its data'}")
-        return 0 if same else 1
     DATA.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    PAGE.write_text(text, encoding="utf-8")
+    PAGE.write_text(render(data), encoding="utf-8")
     plot(data, PLOT)
     print(f"wrote {PAGE}, {DATA}, {PLOT}")
     return 0

@@ -21,16 +21,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
-from checks.e2e.common import (
+from checks.served import commands
+from checks.served.common import (
     MAX_TOKENS,
     TREES,
-    free_ports,
+    free_port,
     group_pids,
     prompts,
     wait_group_stopped,
 )
-from checks.e2e.models import TinyModel, make
-from checks.served import commands
+from checks.served.models import TinyModel, make
 from forktools.paths import BUILD, ROOT
 
 OUT_DIR = Path(os.environ.get("SERVED_OUT", BUILD / "served"))
@@ -137,15 +137,24 @@ class Process:
                 )
             time.sleep(1.0)
 
-    def _reap(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the group to go, then SIGKILL the rest."""
+    def _gone(self, seconds: float) -> bool:
+        """Whether the group is gone within ``seconds``."""
         deadline = time.monotonic() + seconds
-        while group_pids(self.proc.pid) and time.monotonic() < deadline:
+        while group_pids(self.proc.pid):
+            if time.monotonic() > deadline:
+                return False
             self.proc.poll()
             time.sleep(0.1)
-        if group_pids(self.proc.pid):
+        return True
+
+    def _reap(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the group to go, then SIGKILL the rest
+        and wait for them (bounded): until they are gone they still map the
+        ``/dev/shm`` files that ``_unlink_orphans`` then removes."""
+        if not self._gone(seconds):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            self._gone(10)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (API server, engine, worker)."""
@@ -197,7 +206,7 @@ class Server(Process):
     def __init__(self, model: TinyModel, role: str, tree_name: str, tag: str = "",
                  policy: str | None = None,
                  env: dict[str, str] | None = None) -> None:  # fmt: skip
-        port, side = free_ports(), free_ports()
+        port, side = free_port(), free_port()
         name = f"{model.name}-{role}-{tree_name}{tag}"
         self.reads_dir = OUT_DIR / "reads" / name
         self.reads_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +248,7 @@ class Server(Process):
 
 class Proxy(Process):
     def __init__(self, p: Server, d: Server) -> None:
-        port = free_ports()
+        port = free_port()
         cmd = commands.proxy(port, p.port, d.port, str(TREES["series"]),
                              python=sys.executable)  # fmt: skip
         super().__init__(f"proxy-{p.name}-to-{d.tree}-D", cmd, port)
@@ -357,7 +366,7 @@ def single(p: Server, ps: dict[str, list[int]]) -> dict[str, list[int]]:
 
 
 def variant(k: int) -> dict[str, list[int]]:
-    """``checks.e2e.common.prompts`` with first token moved by ``k`` (0: as is).
+    """``common.prompts`` with first token moved by ``k`` (0: as is).
 
     Another first token changes every block hash, so a server that served
     variant 0 has none of variant ``k``'s blocks in its prefix cache ("long"

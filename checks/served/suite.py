@@ -5,21 +5,22 @@ Each server is ``python -m vllm.entrypoints.cli.main serve`` of one tree
 (stock ``build/stock`` or the series ``build/vllm``), multiprocessing on, with
 the command lines of ``checks/served/commands.py`` (README's "Run P/D with the
 series"); vLLM's toy proxy of the series tree sits in front of each P/D pair.
-Per model (the tiny Llama with all four pairings P x D in {stock, series}^2,
-the MLA model and the hybrid stock + stock and series + series):
+Per model (the tiny GQA Llama, DeepSeek-V2's MLA and a full + sliding-window
+hybrid), each with all four pairings P x D in {stock, series}^2:
 
 1. every server gets the same batch of plain requests first (the same
-   history); for a model whose single engine is its oracle
-   (``TinyModel.oracle``) each prompt goes whole to the stock prefiller, a
-   single engine for a request without ``kv_transfer_params``;
+   history); each prompt then goes whole to each tree's prefiller, a single
+   engine for a request without ``kv_transfer_params`` (the oracle of a
+   model whose ``TinyModel.oracle`` is "single");
 2. per pairing, a first request through the proxy makes the NIXL handshake
    (retried: stock gives up a handshake after 5 s, which a loaded 2-core
    machine can exceed), then each prompt; the decoder's ``/metrics`` is
    polled (bounded) until it counts one NIXL transfer per P/D request, and
    the per-READ log (``checks/served/site``) gives each READ's descriptors;
-3. a negative control on the Llama: the client, doing the proxy's two steps,
-   points the decoder at another prompt's blocks, which must change tokens;
-4. the Llama's faults (``checks/served/faults.py``).
+3. a negative control: the client, doing the proxy's two steps, points the
+   decoder at another prompt's blocks, which must change tokens;
+4. the hybrid's faults (``checks/served/faults.py``): its two KV cache
+   groups make a failed READ the request's, not some blocks'.
 
 ``SERVED_ONLY`` runs less (the mutations suite's served break): a comma list
 of ``MODEL`` or ``MODEL:P+D`` (``llama-gqa:series+series``), without the
@@ -38,24 +39,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checks.e2e.common import (
+from checks.served import faults, serving
+from checks.served.common import (
     HANDSHAKE_TRIES,
     MAX_TOKENS,
     churn_prompts,
     missing_cpu_ext,
     other_prompt,
 )
-from checks.e2e.models import DEEPSEEK_V2, LLAMA, LLAMA_HYBRID, TinyModel
-from checks.served import faults, serving
 from checks.served.faults import Proxies, Servers
+from checks.served.models import DEEPSEEK_V2, LLAMA, LLAMA_HYBRID, TinyModel
 from checks.served.serving import COUNT, Fleet, Process, Proxy, ServedError, Server
 
-# The models and the pairings each serves: the Llama all four (mixed pairs
-# both ways), the others stock + stock and series + series.
+# Every model serves the four pairings, same-tree pairs first. The hybrid
+# runs first: the end of its faults waits for a lease while the next model's
+# servers start.
 SAME = [("stock", "stock"), ("series", "series")]
 MIXED = [("stock", "series"), ("series", "stock")]
 Plan = list[tuple[TinyModel, list[tuple[str, str]]]]
-FULL_PLAN: Plan = [(LLAMA, SAME + MIXED), (DEEPSEEK_V2, SAME), (LLAMA_HYBRID, SAME)]
+FULL_PLAN: Plan = [(m, SAME + MIXED) for m in (LLAMA_HYBRID, LLAMA, DEEPSEEK_V2)]
+FAULT_MODEL = LLAMA_HYBRID
 
 
 def select_plan(only: str) -> Plan:
@@ -89,7 +92,7 @@ def select_plan(only: str) -> Plan:
 
 
 PLAN = select_plan(os.environ.get("SERVED_ONLY", ""))
-# The negative control and the faults need the Llama's four servers.
+# The negative control and the faults need each model's four servers.
 FULL = PLAN == FULL_PLAN
 
 
@@ -142,12 +145,14 @@ def run_pairing(proxy: Proxy, k: int, oracle: dict[str, list[int]],
 
 
 def run_model(model: TinyModel, servers: Servers, proxies: Proxies) -> dict[str, Any]:
-    """History, oracle, the pairings (and the Llama's negative control).
+    """History, oracle, the pairings and the negative control.
 
     Same-tree pairs run first, on prompt variant 0, each on servers with the
     same history (so stock + stock and series + series compare); each mixed
     pair runs on a variant of its own, which neither of its servers has
-    cached.
+    cached. A "stock-pd" model's oracle is its stock pair's tokens of
+    variant 0, which its mixed pairs and negative control take again: its
+    backend (CPU_MLA) keeps no prefix cache, so each READ is whole again.
     """
     result: dict[str, Any] = {
         "model": model.name,
@@ -161,31 +166,37 @@ def run_model(model: TinyModel, servers: Servers, proxies: Proxies) -> dict[str,
     for s in servers.values():
         serving.complete(s.url, s.model_path, churn_prompts(), 8, f"{s.name} churn")
     stock_p = servers["prefill", "stock"]
-    oracles: dict[int, dict[str, list[int]]] = {}
-    if model.oracle == "single":
-        result["single"] = {
-            tree: serving.single(servers["prefill", tree], serving.variant(0))
-            for tree in ("stock", "series")
-            if ("prefill", tree) in servers
-        }
-        oracles[0] = result["single"]["stock"]
-    mixed = 0
-    for (pt, dt), proxy in proxies.items():
-        k = 0 if pt == dt else (mixed := mixed + 1)
-        # Mixed pairs; a stock-pd model's stock P also serves variant 0 whole
-        # here, then its stock pair's tokens replace these.
+    result["single"] = {
+        tree: serving.single(servers["prefill", tree], serving.variant(0))
+        for tree in ("stock", "series")
+        if ("prefill", tree) in servers
+    }
+    stock_pd = model.oracle == "stock-pd"
+    oracles: dict[int, dict[str, list[int]]] = {
+        0: {} if stock_pd else dict(result["single"]["stock"])
+    }
+    fresh = 0
+
+    def next_variant() -> int:
+        nonlocal fresh
+        k = 0 if stock_pd else (fresh := fresh + 1)
         if k not in oracles:
             oracles[k] = serving.single(stock_p, serving.variant(k))
-        sets_oracle = model.oracle == "stock-pd" and (pt, dt) == ("stock", "stock")
+        return k
+
+    for (pt, dt), proxy in proxies.items():
+        k = 0 if pt == dt else next_variant()
+        sets_oracle = stock_pd and (pt, dt) == ("stock", "stock")
         result["pairings"].append(run_pairing(proxy, k, oracles[k], sets_oracle))
     result["oracle_tokens"] = oracles[0]
-    if model is LLAMA and FULL:
-        # Stock P (killed by the first fault next) -> series D, on a variant
-        # neither has served.
-        ps = serving.variant(mixed + 1)
+    if FULL:
+        # Stock P (killed by a fault next, for the hybrid) -> series D.
+        k = next_variant()
         d = servers["decode", "series"]
-        oracle = serving.single(stock_p, ps)["medium"]
-        result["negative_control"] = negative_control(stock_p, d, ps["medium"], oracle)
+        medium = serving.variant(k)["medium"]
+        result["negative_control"] = negative_control(
+            stock_p, d, medium, oracles[k]["medium"]
+        )
     return result
 
 
@@ -227,7 +238,7 @@ def start_model(
 def run_all() -> dict[str, Any]:
     """The models one after another (four servers at a time, ~1.6 GB each).
 
-    The Llama's READ-fault servers start once its stock servers are gone
+    The hybrid's READ-fault servers start once its stock servers are gone
     (four servers then). The decoder-killed fault waits for the prefiller's
     lease while they run and the next model's servers start. Every process
     is stopped when its model is done, and all of them (again: ``stop`` is
@@ -257,10 +268,10 @@ def run_all() -> dict[str, Any]:
             res = timed(f"requests {model.name}", run_model, model, servers, proxies)
             out["models"].append(res)
             keep: set[Process] = set()
-            if model is LLAMA and FULL:
+            if model is FAULT_MODEL and FULL:
                 oracle = res["oracle_tokens"]["long"]
-                pending = faults.run_llama_faults(f, servers, proxies, oracle, out,
-                                                  timed)  # fmt: skip
+                pending = faults.run_faults(f, model, servers, proxies, oracle, out,
+                                            timed)  # fmt: skip
                 keep.add(pending[0])
             for proc in [*servers.values(), *proxies.values()]:
                 if proc not in keep:

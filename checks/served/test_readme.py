@@ -10,8 +10,8 @@ import json
 import re
 import shlex
 
-from checks.e2e.models import LLAMA
 from checks.served import commands, report
+from checks.served.models import LLAMA
 from forktools.paths import ROOT
 
 README = ROOT / "README.md"

@@ -3,6 +3,7 @@
 
 Runs ``checks/served/suite.py`` once and asserts that every pairing's
 completions through the proxy (mixed pairs included) equal the model's
+oracle; that a "stock-pd" model's single engine still differs from that
 oracle; that the decoder's ``/metrics`` counts one NIXL transfer per P/D
 request, as the per-READ log does; that the series posts no more
 descriptors than stock on the same requests; that a decoder pointed at
@@ -22,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from checks.e2e.common import TREES, missing_cpu_ext
 from checks.served import commands, suite
+from checks.served.common import TREES, missing_cpu_ext
 from checks.served.faults import FAULTS
 from checks.served.serving import OUT_DIR
 
@@ -81,8 +82,19 @@ def test_decoder_metrics_count_every_read(
 
 def test_single_engine_of_the_series_equals_stock(run: dict[str, Any]) -> None:
     for res in run["models"]:
-        if "single" in res:
+        if "series" in res["single"]:
             assert res["single"]["series"] == res["single"]["stock"], res["model"]
+
+
+def test_oracle_choice_still_holds(run: dict[str, Any]) -> None:
+    """The single engine is the oracle unless its tokens still differ from
+    stock P + stock D's (``TinyModel.oracle_reason``)."""
+    for res in run["models"]:
+        if res["oracle"] == "stock-pd":
+            assert res["single"]["stock"] != res["oracle_tokens"], (
+                f"{res['model']}: the single engine now gives stock P + stock D's "
+                "tokens; make it the oracle again (checks/served/models.py)"
+            )
 
 
 @pytest.mark.parametrize("model", [m.name for m, _ in suite.PLAN])
@@ -104,9 +116,10 @@ def test_series_posts_no_more_descriptors(run: dict[str, Any], model: str) -> No
 def test_negative_control_changes_tokens(run: dict[str, Any]) -> None:
     if not suite.FULL:
         pytest.skip("SERVED_ONLY: no negative control")
-    control = run["models"][0]["negative_control"]
-    assert control["reads"] >= 1, control
-    assert control["differs"], control
+    for res in run["models"]:
+        control = res["negative_control"]
+        assert control["reads"] >= 1, (res["model"], control)
+        assert control["differs"], (res["model"], control)
 
 
 @pytest.mark.parametrize("case", list(FAULTS))

@@ -101,7 +101,7 @@ def run_env() -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_TARGET_DEVICE="cpu",
         # Configs validate as on an x86 host with triton-cpu (test_site);
-        # engines (run_e2e) select the standalone runner instead.
+        # engines (run_served) select the standalone runner instead.
         FORK_CPU_RUNNER="release",
         PYTHONPATH=pythonpath(TREE),
         PATH=f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",

@@ -1,21 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The checks, e2e and served suites: the project's own checks (``checks/``),
-held against the stock release run as the oracle, real engines
-(``checks/e2e``) and P/D served as users run it (``checks/served``).
+"""The checks and served suites: the project's own checks (``checks/``), held
+against the stock release run as the oracle, and P/D served as users run it
+on real engines (``checks/served``).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import TextIO
 
 from forktools.manifest import BASE_TAG, load_manifest
-from forktools.paths import CHECKS_OUT, RESULTS, ROOT, STOCK_TREE, TREE
+from forktools.paths import CHECKS_OUT, ROOT, STOCK_TREE, TREE
 from forktools.testrun.common import (
     PYTHON,
     Result,
@@ -26,7 +24,7 @@ from forktools.testrun.common import (
     run_logged,
     tail,
 )
-from forktools.testrun.pytest_runs import junit_cases, run_pytest
+from forktools.testrun.pytest_runs import run_pytest
 from forktools.testrun.suites import Suite
 
 # The patches that introduced a read path the fault cases take (page reads:
@@ -84,13 +82,7 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
     procs = []
     faults = CHECKS_OUT / "stock_faults.json"
-    # A prefix ending in a parked patch is not in build/vllm: its fault runs
-    # are parked with it (checks/test_faults.py lists them as skipped).
-    built = {patch.name for patch in load_manifest().patches}
-    parked_prefixes = [name for name in FAULT_PREFIXES if name not in built]
-    prefixes = fault_prefix_worktrees(
-        tuple(name for name in FAULT_PREFIXES if name in built)
-    )
+    prefixes = fault_prefix_worktrees()
     prefix_faults = {
         name: CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes
     }
@@ -125,13 +117,12 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         STOCK_MATRIX=str(oracle),
         STOCK_FAULTS=str(faults),
         PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
-        PARKED_FAULT_PREFIXES=os.pathsep.join(parked_prefixes),
         STOCK_TREE=str(stock),
     )
     res = run_pytest(
         suite.name,
         # test_root_copies.py: its own suite (root-final), without vLLM.
-        ["checks", "--ignore=checks/e2e", "--ignore=checks/served",
+        ["checks", "--ignore=checks/served",
          "--ignore=checks/test_root_copies.py"],
         None, suite.workers, log, cenv, cwd=ROOT,
     )  # fmt: skip
@@ -140,38 +131,19 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         f"(also on {len(prefixes)} prefixes)"
     )
     res.note = f"{cases}; " + res.note.replace("2 files", "checks/")
-    parked = _parked_note(RESULTS / f"{suite.name.replace(':', '-')}.xml")
-    if parked:
-        res.note = f"{parked}; {res.note}"
     return res
 
 
-def _parked_note(junit: Path) -> str:
-    """'N cases parked (M with the layout stack, ...)': the skips whose reason
-    starts with ``parked:`` (checks/parked.py), counted by the stack of the
-    patches they need."""
-    if not junit.exists():
-        return ""
-    stacks: collections.Counter[str] = collections.Counter()
-    for case in junit_cases(junit):
-        if case.outcome == "skipped" and (case.reason or "").startswith("parked:"):
-            stack = re.match(r"parked: (\w+) stack", case.reason or "")
-            stacks[stack[1] if stack else "?"] += 1
-    if not stacks:
-        return ""
-    parts = ", ".join(f"{n} with the {st} stack" for st, n in stacks.most_common())
-    return f"{sum(stacks.values())} cases parked ({parts})"
-
-
-def _run_engine_suite(
-    suite: Suite, log: Path, env: dict[str, str], folder: str
-) -> Result:
-    """``folder``'s tests, which start real engines on build/vllm and build/stock.
+def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """P/D served as users run it (``checks/served``): ``vllm serve`` for P and
+    D on build/stock and build/vllm, vLLM's toy proxy, an HTTP client.
 
     ``forktools/cpu_ext.py install`` builds vLLM's CPU extension from the verified
     sdist on first use (cached by its inputs) and links it into both trees.
     pytest itself imports no vLLM (--noconftest: not checks/conftest.py's fork
-    fixtures); each engine runs in a process of its own tree.
+    fixtures); each server gets its own PYTHONPATH (its tree, then
+    checks/served/site) from checks/served/commands.py. The suite skips (naming
+    what is missing) without the serving packages.
     """
     stock = stock_worktree()
     cmd = [PYTHON, "-m", "forktools.cpu_ext", "install", str(TREE), str(stock)]
@@ -180,23 +152,7 @@ def _run_engine_suite(
                       + tail(log, 3).replace("\n", " "))  # fmt: skip
     cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
     cenv["FORK_CPU_RUNNER"] = "standalone"  # engines run without Triton
-    res = run_pytest(suite.name, ["--noconftest", folder], None, 0, log,
+    res = run_pytest(suite.name, ["--noconftest", "checks/served"], None, 0, log,
                      cenv, cwd=ROOT)  # fmt: skip
-    res.note = res.note.replace("2 files", folder)
+    res.note = res.note.replace("2 files", "checks/served")
     return res
-
-
-def run_e2e(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """Real engines (``checks/e2e``), each an ``LLM`` in its own process."""
-    return _run_engine_suite(suite, log, env, "checks/e2e")
-
-
-def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """P/D served as users run it (``checks/served``): ``vllm serve`` for P and
-    D on build/stock and build/vllm, vLLM's toy proxy, an HTTP client.
-
-    Each server gets its own PYTHONPATH (its tree, then checks/served/site)
-    from checks/served/commands.py; the suite skips (naming what is missing)
-    without the serving packages.
-    """
-    return _run_engine_suite(suite, log, env, "checks/served")

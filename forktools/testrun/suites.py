@@ -115,7 +115,6 @@ SUITES: list[Suite] = [
     Suite("bisect", "bisect"),
     Suite("checks", "checks", workers=2),
     Suite("mutations", "mutations"),
-    Suite("e2e", "e2e"),
     # P/D as users run it: vllm serve x 2, the toy proxy, an HTTP client.
     Suite("served", "served"),
 ]  # fmt: skip

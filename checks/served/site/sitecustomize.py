@@ -21,7 +21,7 @@ import sys
 import time
 from types import ModuleType
 
-from checks.e2e.common import record_reads
+from checks.served.common import record_reads
 from forktools.paths import TEST_SITE
 
 exec(  # noqa: S102 - the project's own test site, run as its sitecustomize

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny random-weight models for the engine suites, made locally.
+"""Tiny random-weight models for the served suite, made locally.
 
 No hub: each model is built from its ``transformers`` config with seeded
 random weights and saved (fp32 safetensors, config, generation config) under
-``build/e2e/models/<name>-<hash>``; the hash covers the config, so a changed
+``build/models/<name>-<hash>``; the hash covers the config, so a changed
 config makes a new directory and a second run reuses the first one's.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from forktools.paths import BUILD
 
-MODELS_DIR = BUILD / "e2e" / "models"
+MODELS_DIR = BUILD / "models"
 MAX_MODEL_LEN = 2048
 # A pool a little larger than one request of max_model_len per KV cache group,
 # so that blocks freed by earlier requests are handed out again, as in a busy

@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the engine suites (``checks/e2e``, ``checks/served``) share.
-
-The trees they run, the prompts, ports, process groups, and the per-READ
+"""The served suite's trees, prompts, ports, process groups, and its per-READ
 record of NIXL's telemetry. Pure: imports nothing of vLLM.
 """
 
@@ -67,25 +65,23 @@ def churn_prompts() -> list[list[int]]:
 _HANDED_OUT: set[int] = set()
 
 
-def free_ports(n: int = 1) -> int:
-    """The first of ``n`` consecutive ports nobody listens on, none handed out
-    before, below Linux's ephemeral range (32768-60999).
+def free_port() -> int:
+    """A port nobody listens on, not handed out before, below Linux's
+    ephemeral range (32768-60999).
 
     A port picked from the ephemeral range and released can be taken by any
     outgoing connection (UCX, ZMQ, HTTP) before the process binds it.
     """
-    for base in range(20000 + 97 * (os.getpid() % 100), 32768 - n):
-        span = range(base, base + n)
-        if _HANDED_OUT.intersection(span):
+    for port in range(20000 + 97 * (os.getpid() % 100), 32768):
+        if port in _HANDED_OUT:
             continue
-        try:
-            for port in span:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _HANDED_OUT.update(span)
-        return base
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError("no free port below 32768")
 
 
