@@ -1,16 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# The block-pool figures, in one process: the allocator micro-benchmark
-# (forktools/bench/block_pool_alloc.py: sorted vs queue order per get_new_blocks
-# call, every pool state and size, JSON for the cover letters) whose replay
-# state is the full agentic replay (forktools/bench/block_pool_replay.py: runs per
-# transfer, hit rate, its table and run-length plot). Run after
-# `bash tools/main.sh` or `forktools/fork.py build`; extra arguments go to the
-# micro-benchmark (e.g. --quick: 100k-block pools and a short replay).
-#
-# Writes build/bench/block_pool_alloc.json (rows), block_pool_alloc.txt (what
-# it printed), block_pool_replay.png and block_pool_alloc.log (stderr).
+# The block-pool figures: forktools/bench/block_pool_alloc.py (sorted vs queue
+# order per get_new_blocks call) with the agentic replay as its last state.
+# Run after `forktools/fork.py build`; extra arguments go to block_pool_alloc
+# (e.g. --quick). Writes build/bench/block_pool_alloc.{json,txt,log}.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,7 +17,7 @@ export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$TREE"
 echo "bench_block_pool: allocator micro-benchmark and agentic replay"
 if ! "$VPY" -m forktools.bench.block_pool_alloc \
     --json build/bench/block_pool_alloc.json \
-    "--replay-args=--plot build/bench/block_pool_replay.png" --replay-report \
+    --replay-report \
     "$@" 2>build/bench/block_pool_alloc.log | tee build/bench/block_pool_alloc.txt; then
   tail -n 20 build/bench/block_pool_alloc.log >&2
   exit 1

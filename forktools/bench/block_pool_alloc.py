@@ -2,18 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Time BlockPool.get_new_blocks in queue order and in sorted (id) order.
 
-For each pool state, pool size and request size it builds two ``BlockPool``
-instances in the same state (built with ``VLLM_BLOCK_POOL_ALLOCATION_POLICY``
-``queue`` and ``sorted``) and times single ``get_new_blocks`` calls with the
-thread's CPU time: one call in queue order (stock: blocks in free-queue order)
-and one in sorted order (the same blocks, ascending ids for n > 1), on one pool
-each. The policies alternate call by call (ABBA) in one process so that
-machine noise hits both alike, and the pools swap policies (through
-``BlockPool.sort_new_blocks``) every other call so that neither pool object
-favours one policy. After each call the blocks go back, in id order for both
-pools, so that the two pools stay in the same state call after call: both
-pop, evict and unlink exactly the same blocks, and the difference in time is
-the sort alone. Only the call itself is timed.
+For each pool state, pool size and request size, two ``BlockPool`` instances
+in the same state time single ``get_new_blocks`` calls (the thread's CPU
+time), one in queue order (stock) and one sorted (ascending ids for n > 1).
+The policies alternate call by call (ABBA) and the pools swap policies
+(``BlockPool.sort_new_blocks``) every other call, so neither machine noise
+nor a pool object favours one. The blocks then go back in id order to both
+pools, which stay in the same state: both pop, evict and unlink the same
+blocks, and the difference in time is the sort alone.
 
 States:
 
@@ -54,10 +50,9 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from forktools.bench import block_pool_replay
-from forktools.bench.block_pool_replay import pct
+from forktools.bench.block_pool_replay import POLICIES, pct
 from forktools.harness.blocks import count_runs
 
-POLICIES = ("queue", "sorted")
 # "thread": CPU time of this thread, so that time spent preempted by other
 # processes on a shared machine is not charged to the call that was running.
 CLOCKS = {"thread": time.thread_time_ns, "wall": time.perf_counter_ns}
@@ -70,23 +65,17 @@ TARGET_RATIO = 1.05
 _block_id = attrgetter("block_id")
 
 
-def make_pool(num_blocks: int, policy: str) -> BlockPool:
-    """A caching ``BlockPool`` that hands out blocks by ``policy``."""
-    pool = BlockPool(
-        num_gpu_blocks=num_blocks,
-        enable_caching=True,
-        hash_block_size=16,
-        sort_new_blocks=policy == "sorted",
-    )
-    return pool
-
-
 class StatePool:
     """A block pool kept in one synthetic state across allocations."""
 
     def __init__(self, state: str, num_blocks: int, policy: str, seed: int):
         self.state = state
-        self.pool = pool = make_pool(num_blocks, policy)
+        self.pool = pool = BlockPool(
+            num_gpu_blocks=num_blocks,
+            enable_caching=True,
+            hash_block_size=16,
+            sort_new_blocks=policy == "sorted",
+        )
         self.rng = random.Random(seed)
         self.next_hash = 0
         held = pool.get_new_blocks(pool.get_num_free_blocks())
@@ -230,56 +219,34 @@ def bench_replay(
 ) -> dict[str, Any]:
     """Per-call times of the replay's multi-block allocations, both policies.
 
-    The replay times its calls with ``clock_name`` too (thread CPU time by
-    default). With ``show_report`` it also prints its own table (runs per
-    transfer, hit rate) and draws its plot if ``argv`` names one.
+    With ``show_report`` the replay also prints its own table (runs per
+    transfer, hit rate).
     """
-    module = block_pool_replay
-    assert tuple(module.POLICIES) == POLICIES, module.POLICIES
-    args = module.build_parser().parse_args(argv)
-    if not any(a == "--plot" or a.startswith("--plot=") for a in argv):
-        args.plot = ""
-    captured = module.main(args, clock=CLOCKS[clock_name], show=show_report)
+    args = block_pool_replay.build_parser().parse_args(argv)
+    captured = block_pool_replay.main(args, clock=CLOCKS[clock_name], show=show_report)
     gc.enable()
-    times = {sim.policy: sim.stats.alloc_ns["multi"] for sim in captured}
+    times = {sim.policy: sim.stats.alloc_ns for sim in captured}
     runs = {sim.policy: sim.stats.runs for sim in captured}
     sizes = captured[0].stats.alloc_sizes
-    row = summarize(
-        REPLAY, args.num_blocks, "n>1", times, runs, statistics.fmean(sizes)
-    )
-    row["n"] = f"{min(sizes)}-{max(sizes)}"
-    return row
+    n = f"{min(sizes)}-{max(sizes)}"
+    return summarize(REPLAY, args.num_blocks, n, times, runs, statistics.fmean(sizes))
 
 
+# (row key, header, width, format); the first column is left-aligned.
 COLUMNS = (
-    ("state", "{:<13}"),
-    ("pool", "{:>8}"),
-    ("n", "{:>9}"),
-    ("calls", "{:>5}"),
-    ("queue med us", "{:>8.1f}"),
-    ("queue p99 us", "{:>8.1f}"),
-    ("sorted med us", "{:>8.1f}"),
-    ("sorted p99 us", "{:>8.1f}"),
-    ("ratio med", "{:>6.3f}"),
-    ("ratio p99", "{:>6.3f}"),
-    ("extra ns/block", "{:>7.1f}"),
-    ("runs queue", "{:>8.1f}"),
-    ("runs sorted", "{:>8.1f}"),
-)
-HEADERS = (
-    ("state", 13),
-    ("pool", 8),
-    ("n", 9),
-    ("calls", 5),
-    ("q med", 8),
-    ("q p99", 8),
-    ("s med", 8),
-    ("s p99", 8),
-    ("r med", 6),
-    ("r p99", 6),
-    ("+ns/blk", 7),
-    ("runs q", 8),
-    ("runs s", 8),
+    ("state", "state", 13, ""),
+    ("pool", "pool", 8, ""),
+    ("n", "n", 9, ""),
+    ("calls", "calls", 5, ""),
+    ("queue med us", "q med", 8, ".1f"),
+    ("queue p99 us", "q p99", 8, ".1f"),
+    ("sorted med us", "s med", 8, ".1f"),
+    ("sorted p99 us", "s p99", 8, ".1f"),
+    ("ratio med", "r med", 6, ".3f"),
+    ("ratio p99", "r p99", 6, ".3f"),
+    ("extra ns/block", "+ns/blk", 7, ".1f"),
+    ("runs queue", "runs q", 8, ".1f"),
+    ("runs sorted", "runs s", 8, ".1f"),
 )
 
 
@@ -289,20 +256,18 @@ def print_header() -> None:
         "wall); r = sorted / queue; +ns/blk = (s med - q med) / blocks per call; "
         "runs = mean id runs per call (replay: per transferred block table)"
     )
-    print(
-        " ".join(
-            f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(HEADERS)
-        )
-    )
+    print(_line([header for _, header, _, _ in COLUMNS]))
 
 
 def print_row(row: dict[str, Any]) -> None:
-    print(" ".join(fmt.format(row[key]) for key, fmt in COLUMNS), flush=True)
+    print(_line([f"{row[key]:{spec}}" for key, _, _, spec in COLUMNS]), flush=True)
 
 
-def multi_block(row: dict[str, Any]) -> bool:
-    """Rows that go through the sort (n = 1 calls bypass it)."""
-    return row["n"] != 1
+def _line(cells: list[str]) -> str:
+    return " ".join(
+        f"{cell:{'<' if i == 0 else '>'}{width}}"
+        for i, (cell, (_, _, width, _)) in enumerate(zip(cells, COLUMNS, strict=True))
+    )
 
 
 def print_summary(rows: list[dict[str, Any]]) -> tuple[float, float]:
@@ -310,7 +275,7 @@ def print_summary(rows: list[dict[str, Any]]) -> tuple[float, float]:
     print(f"worst sorted/queue ratio per state, n > 1 (target <= {TARGET_RATIO}):")
     worst_med = worst_p99 = 0.0
     for state in dict.fromkeys(r["state"] for r in rows):
-        cells = [r for r in rows if r["state"] == state and multi_block(r)]
+        cells = [r for r in rows if r["state"] == state and r["n"] != 1]
         if not cells:
             continue
         med = max(cells, key=lambda r: r["ratio med"])

@@ -42,7 +42,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from forktools.harness.blocks import count_runs
+from forktools.harness.blocks import run_slices
 
 POLICIES = ("queue", "sorted")
 # Regions per transfer for the layouts in the NIXL series brief: GLM-5.3-like
@@ -82,11 +82,9 @@ class PolicyStats:
     run_lengths: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     prompt_tokens: int = 0
-    alloc_ns: dict[str, list[int]] = field(
-        default_factory=lambda: {"multi": [], "single": []}
-    )
+    # Times and sizes of the multi-block get_new_blocks calls.
+    alloc_ns: list[int] = field(default_factory=list)
     alloc_sizes: list[int] = field(default_factory=list)
-    alloc_blocks: int = 0
 
 
 class Workload:
@@ -173,21 +171,17 @@ def make_manager(args, policy: str) -> KVCacheManager:
 def timed_allocator(
     pool, stats: PolicyStats, clock: Callable[[], int] = time.perf_counter_ns
 ) -> Callable[[int], list]:
-    """Wrap ``pool.get_new_blocks`` to record per-call times (wall by default)."""
+    """Wrap ``pool.get_new_blocks`` to record multi-block call times."""
     orig = pool.get_new_blocks
-    multi, single = stats.alloc_ns["multi"], stats.alloc_ns["single"]
-    sizes = stats.alloc_sizes
+    times, sizes = stats.alloc_ns, stats.alloc_sizes
 
     def get_new_blocks(num_blocks: int) -> list:
         t0 = clock()
         ret = orig(num_blocks)
         dt = clock() - t0
         if num_blocks > 1:
-            multi.append(dt)
+            times.append(dt)
             sizes.append(num_blocks)
-        else:
-            single.append(dt)
-        stats.alloc_blocks += num_blocks
         return ret
 
     return get_new_blocks
@@ -209,9 +203,8 @@ class PoolSim:
         self.running: list[Running] = []
         self.held: deque[tuple[int, Request]] = deque()
         self.waiting: deque[Running] = deque()
-        self.done = 0
         # Called with each finished prefill while its blocks are still held
-        # (e.g. to read its block ids); unused by this script.
+        # (job_lists reads its block ids).
         self.on_finish: Callable[[Running], None] | None = None
 
     def submit(self, request: Request, session: Session) -> None:
@@ -257,25 +250,17 @@ class PoolSim:
         req = run.request
         if record:
             ids = self.manager.get_block_ids(req.request_id)[0]
-            runs = count_runs(list(ids))
+            lengths = [length for *_, length in run_slices(ids, ids)]
             st = self.stats
-            st.runs.append(runs)
+            st.runs.append(len(lengths))
+            st.run_lengths += lengths
             st.blocks.append(len(ids))
             st.hit_tokens += run.hit_tokens
             st.prompt_tokens += req.num_tokens
-            length = 1
-            for prev, cur in zip(ids, ids[1:], strict=False):
-                if cur == prev + 1:
-                    length += 1
-                else:
-                    st.run_lengths.append(length)
-                    length = 1
-            st.run_lengths.append(length)
         if self.on_finish is not None:
             self.on_finish(run)
         # P keeps the blocks until the decode rank has pulled them.
         self.held.append((step + self.args.transfer_steps, req))
-        self.done += 1
 
 
 def make_request(session: Session, workload: Workload, rid: str) -> Request:
@@ -330,7 +315,7 @@ def main(
     args, clock: Callable[[], int] = time.perf_counter_ns, show: bool = True
 ) -> list[PoolSim]:
     """Replay both pool orders, timing allocations with ``clock``; with
-    ``show``, print the report (and draw the plot ``args`` names)."""
+    ``show``, print the report."""
     if args.quick:
         args.requests = min(args.requests, 250)
         args.warmup_requests = min(args.warmup_requests, 60)
@@ -347,7 +332,6 @@ def main(
     # Sessions whose next turn is not yet submitted, by readiness step.
     idle: list[Session] = list(workload.sessions)
     in_flight = 0
-    submitted = 0
     step = 0
     bar = tqdm(total=args.requests, desc="prefills", unit="req")
     finished_total = 0
@@ -360,7 +344,6 @@ def main(
             for sim in sims:
                 sim.submit(make_request(session, workload, rid), session)
             in_flight += 1
-            submitted += 1
         record = finished_total >= args.warmup_requests
         # Interleave: alternate which policy runs first each step.
         order = sims if step % 2 == 0 else sims[::-1]
@@ -394,14 +377,14 @@ def main(
 
 
 def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
+    """Print both policies side by side."""
     base = sims[0].stats
-    base_multi = statistics.fmean(base.alloc_ns["multi"] or [0])
+    base_mean = statistics.fmean(base.alloc_ns or [0])
     base_single = statistics.median(single[0] or [0])
     rows = []
-    for sim, single_ns in zip(sims, single, strict=False):
+    for sim, single_ns in zip(sims, single, strict=True):
         st = sim.stats
-        multi = st.alloc_ns["multi"]
-        multi_mean = statistics.fmean(multi or [0])
+        times = st.alloc_ns or [0]
         runs_mean = statistics.fmean(st.runs)
         row: dict[str, float | int | str] = {
             "policy": sim.policy,
@@ -412,73 +395,44 @@ def report(args, sims: list[PoolSim], single: list[list[int]]) -> None:
         }
         for name, regions in REGION_LAYOUTS:
             row[f"descs {name} (x{regions})"] = regions * runs_mean
-        row["hit rate %"] = 100.0 * st.hit_tokens / max(1, st.prompt_tokens)
-        row["alloc calls (n>1)"] = len(multi)
-        row["alloc us/call mean"] = multi_mean / 1e3
-        row["alloc us/call median"] = statistics.median(multi or [0]) / 1e3
-        row["alloc ratio (mean)"] = multi_mean / base_multi if base_multi else 0.0
-        # Both replays issue the same call sequence; compare call by call.
-        if st.alloc_sizes == base.alloc_sizes and multi:
-            ratios = [
-                b / a for a, b in zip(base.alloc_ns["multi"], multi, strict=False)
-            ]
-            row["alloc ratio (paired med)"] = statistics.median(ratios)
-        else:
-            row["alloc ratio (paired med)"] = float("nan")
-        row["1-block us median"] = statistics.median(single_ns or [0]) / 1e3
-        row["1-block ratio (median)"] = (
-            statistics.median(single_ns or [0]) / base_single if base_single else 0.0
-        )
+        # Both replays issue the same call sequence: compare call by call.
+        paired: list[float] = []
+        if st.alloc_sizes == base.alloc_sizes:
+            paired = [b / a for a, b in zip(base.alloc_ns, st.alloc_ns, strict=True)]
+        one_block = statistics.median(single_ns or [0])
+        row |= {
+            "hit rate %": 100.0 * st.hit_tokens / max(1, st.prompt_tokens),
+            "alloc calls (n>1)": len(st.alloc_ns),
+            "alloc us/call mean": statistics.fmean(times) / 1e3,
+            "alloc us/call median": statistics.median(times) / 1e3,
+            "alloc ratio (mean)": (
+                statistics.fmean(times) / base_mean if base_mean else 0.0
+            ),
+            "alloc ratio (paired med)": (
+                statistics.median(paired) if paired else float("nan")
+            ),
+            "1-block us median": one_block / 1e3,
+            "1-block ratio (median)": one_block / base_single if base_single else 0.0,
+        }
         rows.append(row)
 
-    keys = list(rows[0])
+    keys = list(rows[0])[1:]
     width = max(len(k) for k in keys)
-    print()
     print(
-        f"block pool replay: {args.num_blocks} blocks x {args.block_size} tokens, "
-        f"{args.running_per_rank} running/rank, {args.sessions} sessions, "
+        f"\nblock pool replay: {args.num_blocks} blocks x {args.block_size} "
+        f"tokens, {args.running_per_rank} running/rank, {args.sessions} sessions, "
         f"seed {args.seed}"
     )
     print(f"{'':{width}}  " + "  ".join(f"{r['policy']:>12}" for r in rows))
-    for k in keys[1:]:
-        cells = []
-        for r in rows:
-            v = r[k]
-            cells.append(f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}")
+    for k in keys:
+        cells = [
+            f"{r[k]:>12.3f}" if isinstance(r[k], float) else f"{r[k]:>12}" for r in rows
+        ]
         print(f"{k:{width}}  " + "  ".join(cells))
     ratio = float(rows[0]["runs mean"]) / max(float(rows[1]["runs mean"]), 1e-9)
     delta = float(rows[1]["hit rate %"]) - float(rows[0]["hit rate %"])
     print(f"runs per transfer, queue / sorted: {ratio:.2f}x")
     print(f"hit rate delta (pp): {delta:+.3f}")
-    if args.plot:
-        plot(args.plot, sims)
-        print(f"run-length distribution written to {args.plot}")
-
-
-def plot(path: str, sims: list[PoolSim]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
-    longest = max(max(s.stats.run_lengths or [1]) for s in sims)
-    bins = np.unique(np.logspace(0, math.log10(longest + 1), 40).astype(int))
-    run_bins = np.linspace(0, max(max(s.stats.runs or [1]) for s in sims), 60)
-    for sim in sims:
-        lengths = np.asarray(sim.stats.run_lengths)
-        # Weight by blocks so the plot shows where the blocks live.
-        ax0.hist(lengths, bins=bins, weights=lengths, alpha=0.6, label=sim.policy)
-        ax1.hist(sim.stats.runs, bins=run_bins, alpha=0.6, label=sim.policy)
-    ax0.set_xscale("log")
-    ax0.set_xlabel("run length (blocks)")
-    ax0.set_ylabel("blocks in runs of that length")
-    ax0.legend()
-    ax1.set_xlabel("runs per transferred request")
-    ax1.set_ylabel("requests")
-    ax1.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -520,7 +474,6 @@ def build_parser() -> FlexibleArgumentParser:
     parser.add_argument("--transfer-steps", type=int, default=2)
     parser.add_argument("--single-block-iters", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="block_pool_replay_runs.png")
     parser.add_argument("--quick", action="store_true", help="short run (250 prefills)")
     return parser
 

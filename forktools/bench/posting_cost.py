@@ -1,21 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU per READ of the decoder's read path, trees side by side.
 
-What the worker's own Python costs per READ (the thread's CPU time inside
-``_read_blocks_for_req``: block id checks, the sort, ``_compute_desc_ids``,
-``make_prepped_xfer`` and ``transfer``), against a bare ``make_prepped_xfer`` +
-``transfer`` of the same ids on the same agents and lists (what NIXL alone
-costs), per layout and request size. Real pull workers over planner-built
-zoo layouts (``forktools/harness/layout_zoo.py``, GLM-5.3 + MTP at 78 layers, 4-token
-pages at 1/4 of the real bytes per token), real NIXL agents (UCX on host DRAM).
-
-Block lists are SYNTHETIC and seeded: the decoder's ids ascend (what the
-sorted pool hands out), in runs of 1-8 consecutive blocks; the prefiller's
-are a shuffle of as many runs. The same lists go to every tree.
-
-Each tree runs in its own process, in ``--rounds`` rounds alternating the
-trees (the machine is noisy: ratios come from one run). Per (layout, size)
-the figure is the median over every round of the per-round median::
+The thread's CPU time in ``_read_blocks_for_req`` against a bare
+``make_prepped_xfer`` + ``transfer`` of the same ids on the same agents and
+lists, per layout and request size (project-docs/benchmarks.md), on real
+pull workers over zoo layouts (GLM-5.3 + MTP at 78 layers, 4-token pages) and
+real NIXL agents (UCX on host DRAM). Block lists are SYNTHETIC and seeded:
+the decoder's ids ascend in runs of 1-8 blocks, the prefiller's are a
+shuffle of as many runs. Each tree runs in its own process, ``--rounds``
+rounds alternating the trees; per (layout, size) the figure is the median
+over the rounds of the per-round median::
 
     .venv/bin/python -m forktools.bench.posting_cost \\
         --tree before=build/prefixes/0003-nixl-ordered-transfers \\
@@ -64,9 +58,7 @@ def _lists(size: int, seed: int) -> tuple[list[int], list[int]]:
 
 def child(reads: int, warmup: int) -> dict[str, Any]:
     """Runs in a tree's process: the per-READ CPU figures of this tree."""
-    from forktools.bench.job_nixl import (
-        wait_released,  # forktools/bench, this file's directory
-    )
+    from forktools.bench.job_nixl import wait_released
     from forktools.harness.layout_zoo import build_zoo_layout, make_zoo_worker
     from forktools.harness.real_nixl import connect, request_meta
 
@@ -88,6 +80,13 @@ def child(reads: int, warmup: int) -> dict[str, Any]:
         connect(decode, prefill)
         nixl = decode.nixl_wrapper
         groups = len(decode.kv_cache_config.transfer_groups)
+        make = nixl.make_prepped_xfer
+        made: list[tuple[Any, ...]] = []
+
+        def record(*args: Any, _make: Any = make, _made: list = made, **kw: Any) -> Any:
+            _made.append((args, kw))
+            return _make(*args, **kw)
+
         for size in SIZES:
             local, remote = _lists(size, seed=size)
             post, bare = [], []
@@ -96,15 +95,7 @@ def child(reads: int, warmup: int) -> dict[str, Any]:
                 meta = request_meta(
                     prefill.engine_id, req_id, [local] * groups, [remote] * groups
                 )
-                made: list[tuple[Any, ...]] = []
-                make = nixl.make_prepped_xfer
-
-                def record(
-                    *args: Any, _make: Any = make, _made: list = made, **kwargs: Any
-                ) -> Any:
-                    _made.append((args, kwargs))
-                    return _make(*args, **kwargs)
-
+                made.clear()
                 nixl.make_prepped_xfer = record
                 start = time.thread_time()
                 decode._read_blocks_for_req(req_id, meta)

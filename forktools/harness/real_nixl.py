@@ -28,15 +28,11 @@ if TYPE_CHECKING:
 # The fill pattern repeats with a prime period longer than any block row here,
 # so no two rows of a storage hold the same bytes (a misplaced block shows).
 _PATTERN_PERIOD = (1 << 23) + 9
+READ_TIMEOUT_S = 120.0
 
 
 def fill_pattern(layout: ZooLayout, seed: int = 0) -> None:
-    """Fill every storage of a layout with seeded, never-zero bytes.
-
-    A random period of ``_PATTERN_PERIOD`` bytes repeats through each storage,
-    which is much cheaper than random bytes everywhere and still gives every
-    row of a storage distinct contents.
-    """
+    """Fill every storage of a layout with a seeded random period of bytes."""
     generator = torch.Generator().manual_seed(seed)
     for raw in layout.raws:
         period = torch.randint(
@@ -139,7 +135,6 @@ class PullResult:
     Attributes:
         descriptors: Descriptors NIXL posted over all READs (telemetry).
         total_bytes: Bytes NIXL reported moving.
-        reads: READ handles the worker created.
         done_s: Wall time from the call until every READ was DONE.
         post_s: Wall time of the ``_read_blocks_for_req`` call (the posting).
         post_cpu_s: The calling thread's CPU time in that call.
@@ -147,10 +142,9 @@ class PullResult:
 
     descriptors: int
     total_bytes: int
-    reads: int
     done_s: float
-    post_s: float = 0.0
-    post_cpu_s: float = 0.0
+    post_s: float
+    post_cpu_s: float
 
 
 def request_meta(
@@ -206,7 +200,6 @@ def pull_request(
     remote_rank: int = 0,
     remote_tp_size: int = 1,
     num_tokens: int | None = None,
-    timeout_s: float = 120.0,
     staging_copies: bool = False,
 ) -> PullResult:
     """Pull one request through ``NixlPullConnectorWorker._read_blocks_for_req``.
@@ -250,8 +243,8 @@ def pull_request(
             while state != "DONE":
                 if state not in ("PROC", "DONE"):
                     raise RuntimeError(f"NIXL READ failed: state {state!r}")
-                if time.perf_counter() - start > timeout_s:
-                    raise RuntimeError(f"NIXL READ not done after {timeout_s} s")
+                if time.perf_counter() - start > READ_TIMEOUT_S:
+                    raise RuntimeError(f"NIXL READ not done after {READ_TIMEOUT_S} s")
                 state = nixl.check_xfer_state(handle)
             telemetry = nixl.get_xfer_telemetry(handle)
             descriptors += int(telemetry.descCount)
@@ -265,7 +258,6 @@ def pull_request(
     return PullResult(
         descriptors=descriptors,
         total_bytes=total_bytes,
-        reads=len(handles),
         done_s=done - start,
         post_s=posted - start,
         post_cpu_s=posted_cpu - start_cpu,

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from unittest.mock import patch
 
@@ -65,7 +65,6 @@ class ZooLayout:
         configure: Applies what this layout needs to a worker's ``VllmConfig``.
         conv_state_layout: ``VLLM_SSM_CONV_STATE_LAYOUT`` it needs, or None.
         host_staging: The worker stages through host buffers.
-        num_layers: Decoder layers of the whole model (before PP splitting).
     """
 
     name: str
@@ -80,7 +79,6 @@ class ZooLayout:
     backend_name: str = "FLASHMLA"
     conv_state_layout: str | None = None
     host_staging: bool = False
-    num_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,15 +260,13 @@ class HostHiSparseBackend(CUDAHiSparseBackend):
         pass
 
 
-@contextmanager
-def _hisparse_backend() -> Iterator[None]:
+def _hisparse_backend() -> AbstractContextManager[object]:
     """The platform names ``HostHiSparseBackend`` as its HiSparse backend."""
     from vllm.platforms import current_platform
 
     name = f"{__name__}.{HostHiSparseBackend.__qualname__}"
     backend_cls = classmethod(lambda cls: name)
-    with patch.object(type(current_platform), "get_hisparse_backend_cls", backend_cls):
-        yield
+    return patch.object(type(current_platform), "get_hisparse_backend_cls", backend_cls)
 
 
 def _kernel_block_sizes(config: KVCacheConfig) -> list[int]:
@@ -442,5 +438,4 @@ def build_zoo_layout(
         backend_name=family.backend,
         conv_state_layout=family.conv_state_layout,
         host_staging=recipe.staging,
-        num_layers=num_layers,
     )

@@ -12,8 +12,8 @@ families from the models' own cache classes at their real sizes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 from unittest.mock import MagicMock, patch
@@ -64,14 +64,11 @@ def fake_backend(name: str, block_size: int) -> MagicMock:
     return backend
 
 
-@contextmanager
-def conv_state_layout(layout: str | None) -> Iterator[None]:
+def conv_state_layout(layout: str | None) -> AbstractContextManager[object]:
     """Set ``VLLM_SSM_CONV_STATE_LAYOUT`` for the duration, if given."""
     if layout is None:
-        yield
-        return
-    with patch.dict(os.environ, {"VLLM_SSM_CONV_STATE_LAYOUT": layout}):
-        yield
+        return nullcontext()
+    return patch.dict(os.environ, {"VLLM_SSM_CONV_STATE_LAYOUT": layout})
 
 
 def _scaled(value: int, scale: int) -> int:
@@ -299,7 +296,7 @@ def _gqa(
     head_sharded: bool = False,
     conv_state_layout: str | None = None,
 ) -> Family:
-    """A head-sharded (non-MLA) family on the fake FLASH_ATTN backend."""
+    """A GQA (non-MLA) family on the fake FLASH_ATTN backend."""
     return Family(build, "FLASH_ATTN", False, kv_heads, head_sharded, conv_state_layout)
 
 

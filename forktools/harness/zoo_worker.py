@@ -5,18 +5,18 @@
 Only the distributed runtime (TP rank/size), the attention backends (a
 ``MagicMock`` per layout), ``current_platform.discover_numa_topology``
 (returns ``[]``: the CPU platform would otherwise pin this process to one core
-per NUMA node) and, with ``real_nixl=False``, NIXL (``RecordingNixl``) are
+per NUMA node) and, with ``real_nixl=False``, NIXL (``FakeNixl``) are
 faked; ``register_kv_caches`` and ``add_remote_agent`` are the real ones.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from contextlib import ExitStack
 from unittest.mock import MagicMock, patch
 
-import numpy as np
 from tests.v1.kv_connector.unit.utils import create_vllm_config
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
@@ -29,60 +29,35 @@ from forktools.harness.zoo_specs import conv_state_layout, fake_backend
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
 
-class RecordingNixl:
-    """A NIXL wrapper stand-in that records registrations and dlists.
-
-    Attributes:
-        registered: ``(descs, backends)`` per ``register_memory`` call.
-        dlists: Prepared descriptor lists by handle, as passed (Nx5 strided).
-        xfers: ``(op, local, local_ids, remote, remote_ids)`` per prepared xfer.
-        remote_agents: Metadata blobs passed to ``add_remote_agent``.
-    """
+class FakeNixl:
+    """A NIXL wrapper stand-in: accepts every call, moves nothing."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self.registered: list[tuple[object, object]] = []
-        self.dlists: dict[int, np.ndarray] = {}
-        self.xfers: list[tuple] = []
-        self.remote_agents: list[bytes] = []
         self._handles = itertools.count(1)
 
     def get_reg_descs(self, caches_data, mem_type=None):
         return caches_data
 
-    def register_memory(self, descs, backends=None) -> None:
-        self.registered.append((descs, backends))
+    get_xfer_descs = get_reg_descs
 
     def get_agent_metadata(self) -> bytes:
-        return b"recording-agent"
+        return b"fake-agent"
 
     def add_remote_agent(self, metadata: bytes) -> str:
-        self.remote_agents.append(metadata)
-        return f"remote-agent-{len(self.remote_agents)}"
+        return f"remote-agent-{next(self._handles)}"
 
     def check_remote_metadata(self, agent: str, *args) -> bool:
         return True
 
-    def get_xfer_descs(self, blocks_data, mem_type=None):
-        return blocks_data
-
-    def prep_xfer_dlist(self, agent, descs, mem_type=None, *args, **kwargs) -> int:
-        handle = next(self._handles)
-        self.dlists[handle] = np.asarray(descs, dtype=np.uint64)
-        return handle
-
-    def make_prepped_xfer(
-        self, op, local_handle, local_ids, remote_handle, remote_ids, notif_msg=None
-    ) -> int:
-        self.xfers.append(
-            (op, local_handle, np.asarray(local_ids), remote_handle, remote_ids)
-        )
+    def prep_xfer_dlist(self, *args, **kwargs) -> int:
         return next(self._handles)
+
+    make_prepped_xfer = prep_xfer_dlist
 
     def transfer(self, handle) -> str:
         return "DONE"
 
-    def check_xfer_state(self, handle) -> str:
-        return "DONE"
+    check_xfer_state = transfer
 
     def get_xfer_telemetry(self, handle):
         return MagicMock(xferDuration=1.0, postDuration=1.0, totalBytes=0, descCount=0)
@@ -93,13 +68,11 @@ class RecordingNixl:
     def _ignore(self, *args, **kwargs) -> None:
         pass
 
-    deregister_memory = remove_remote_agent = create_backend = _ignore
-    release_dlist_handle = release_xfer_handle = send_notif = _ignore
+    register_memory = deregister_memory = remove_remote_agent = _ignore
+    create_backend = release_dlist_handle = release_xfer_handle = send_notif = _ignore
 
 
-_probed = False
-
-
+@functools.cache
 def _real_nixl_wrapper() -> type:
     """The real ``NixlWrapper`` (UCX), after the host DRAM probe.
 
@@ -108,14 +81,11 @@ def _real_nixl_wrapper() -> type:
     """
     from vllm.distributed.nixl_utils import NixlWrapper
 
-    global _probed
     if NixlWrapper is None:
         raise RuntimeError("NIXL is not installed")
-    if not _probed:
-        reason = probe_real_nixl()
-        if reason is not None:
-            raise RuntimeError(f"real NIXL cannot READ host DRAM here: {reason}")
-        _probed = True
+    reason = probe_real_nixl()
+    if reason is not None:
+        raise RuntimeError(f"real NIXL cannot READ host DRAM here: {reason}")
     return NixlWrapper
 
 
@@ -162,7 +132,7 @@ def make_zoo_worker(
         layout: The layout.
         engine_id: The worker's engine id.
         real_nixl: The real ``NixlWrapper`` (UCX on host DRAM), else
-            ``RecordingNixl``.
+            ``FakeNixl``.
         tp_rank: This worker's TP rank.
         tp_size: TP world size.
         settings: Applies what a user set on the instance (e.g.
@@ -176,7 +146,7 @@ def make_zoo_worker(
     """
     config = _worker_config(layout, tp_rank, tp_size, settings, layout_reason)
     backend = fake_backend(layout.backend_name, layout.block_size)
-    nixl_cls = _real_nixl_wrapper() if real_nixl else RecordingNixl
+    nixl_cls = _real_nixl_wrapper() if real_nixl else FakeNixl
     platform = bw.current_platform
     patches = [
         conv_state_layout(layout.conv_state_layout),
