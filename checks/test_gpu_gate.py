@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The RFC's GPU gate (``tools/gpu_check.sh``) dry-runs here, with no GPU.
 
-A GPU owner runs the script as it is; its dry run prints every command it
-would run and installs, starts and writes nothing. This keeps the script
-runnable between GPU runs: it parses, it names every threshold's runs, and
-it judges both layouts (the series default and stock's).
+Its dry run prints every command it would run and installs, starts and
+writes nothing: the script stays runnable between GPU runs.
 """
 
 from __future__ import annotations

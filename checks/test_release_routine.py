@@ -1,15 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The release routine (``forktools/release.py take``) on the real 0.33.0 -> 0.34.0
-move: the series' last 0.33.0 state (ff9b7dc) taken onto 0.34.0.
+move: the series' last 0.33.0 state (ff9b7dc) taken onto 0.34.0 with ``--dry-run``
+into a temporary directory (project-docs/releases.md, "The routine's own check").
 
-It must stop at 0001 naming the two files whose conflicts a hand-made
-cherry-pick shows, and, each patch alone, find that 0006 (failed receives,
-multi-group), the RFC doc and 0009 (sorted allocation) apply. ``--dry-run``
-and ``--work`` in a temporary directory: the repository is never written.
-
-Needs both sdists in build/cache (``tools/setup_env.sh`` fetches 0.34.0; the
-routine fetches 0.33.0 the first time); skips where one is missing rather
-than downloading 100 MB. Run alone (it imports no vLLM):
+Skips where ff9b7dc is not in the clone. Run alone (it imports no vLLM):
 ``.venv/bin/python -m pytest --noconftest checks/test_release_routine.py``.
 """
 

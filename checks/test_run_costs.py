@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 
@@ -12,30 +11,23 @@ import pytest
 from forktools import run_costs
 
 
-def _load():
-    return importlib.reload(run_costs)
-
-
 def test_phases_memory_and_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    rc = _load()
-    monkeypatch.setattr(rc, "COSTS", tmp_path)
-    rc.begin("t")
-    rc.mark("t", "setup")
+    monkeypatch.setattr(run_costs, "COSTS", tmp_path)
+    run_costs.begin("t")
+    run_costs.mark("t", "setup")
     time.sleep(0.05)
-    rc.mark("t", "tests")
-    res = rc.end("t", 3)
+    run_costs.mark("t", "tests")
+    res = run_costs.end("t", 3)
     assert list(res["phases"]) == ["setup", "tests"]
     assert res["phases"]["setup"] >= 0.0 and res["exit"] == 3
     assert res["seconds"] >= sum(res["phases"].values()) - 0.2
     assert 0 < res["memory_start"] <= res["memory_peak"] <= res["memory_total"]
-    assert res["disk"]["checkout"] >= res["disk"]["build"]
+    assert res["disk"]["checkout"] > 0
     assert (tmp_path / "t.json").exists()
 
 
-def test_readme_renders_it(tmp_path: Path) -> None:
-    import json
-
-    from forktools import docs_tables as cover_letters
+def test_readme_renders_it() -> None:
+    from forktools import docs_tables
 
     run = {
         "command": "bash tools/test.sh", "fresh": True, "exit": 0,
@@ -43,9 +35,9 @@ def test_readme_renders_it(tmp_path: Path) -> None:
         "phases": {"setup": 60.0, "build": 30.0, "tests": 510.0},
         "cpu_ext_seconds": 120.0, "cpus": 2, "memory_total": 24 * 2**30,
         "memory_start": 2**30, "memory_peak": 8 * 2**30,
-        "disk": {".venv": 1, "build": 1, "checkout": 5 * 2**30, "caches": 2**31},
+        "disk": {"checkout": 5 * 2**30, "caches": 2**31},
     }  # fmt: skip
-    lines = cover_letters.render_run_costs(json.loads(json.dumps(run)), None)
+    lines = docs_tables.render_run_costs(run, None)
     row = next(line for line in lines if line.startswith("| `bash tools/test.sh`"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:8] == ["yes", "1.0 min", "0.5 min", "2.0 min", "8.5 min", "-",

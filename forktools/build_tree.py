@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``fork.py fetch`` and ``build``: the release sdist, and build/vllm made of it.
 
-``build`` commits the pristine sdist (fixed identity and date) and then one
-commit per active patch. Each new file is kept at the root as the whole series
-leaves it; the version a patch adds is derived by reverse-applying later
-patches' diffs (``added_versions``). Stdlib only.
+project-docs/fork.md ("How the fork is built") says what ``build`` commits.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -32,13 +30,9 @@ from forktools.manifest import (
 )
 
 SDIST_SHA256: str = RELEASE["sha256"]
-# Commit id of the pristine base that `build` creates from the sdist. It only
-# depends on the sdist content and the fixed identity/date, so it is the same
-# on every machine; a different value means the extracted tree differs.
-BASE_COMMIT: str = RELEASE["base_commit"]
-# Marker in build/vllm/.git naming the last HEAD that is known to be saved in
-# the repository (written by `build` and `save`); `build` refuses to discard
-# any other HEAD unless --force.
+BASE_COMMIT: str = RELEASE["base_commit"]  # the pristine base's commit id
+# Names the last HEAD of build/vllm saved in the repository (written by
+# `build` and `save`); `build` refuses to discard any other unless --force.
 SAVED_HEAD_MARKER = "fork-saved-head"
 
 
@@ -48,17 +42,12 @@ def patch_id(index: int, patch: Patch) -> str:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def env_python() -> Path:
     """Python of the project venv (needed by `pip download`, see fetch)."""
-    if os.environ.get("FORK_PYTHON"):
-        return Path(os.environ["FORK_PYTHON"])
     env_dir = Path(os.environ.get("ENV_DIR", ".venv"))
     return (env_dir if env_dir.is_absolute() else paths.ROOT / env_dir) / "bin/python"
 
@@ -66,11 +55,9 @@ def env_python() -> Path:
 def fetch_sdist(version: str = VLLM_VERSION, sha256: str | None = SDIST_SHA256) -> Path:
     """Return the verified sdist path, downloading it first if needed.
 
-    The sdist's metadata build needs torch==2.14 in an isolated build env
-    (GBs). Building metadata without isolation from the project venv, which
-    already has torch 2.13 (CPU) and setuptools, takes seconds instead.
-    ``sha256=None`` skips the check (``release.py`` prints the hash of a
-    release nobody has pinned yet and refuses to take it).
+    ``pip download`` builds the sdist's metadata without isolation, in the
+    project venv (an isolated build would install the release's torch, GBs).
+    ``sha256=None`` skips the check (``release.py`` checks it itself).
     """
     name, cache = f"vllm-{version}.tar.gz", paths.CACHE_DIR
     target = cache / name
@@ -79,7 +66,7 @@ def fetch_sdist(version: str = VLLM_VERSION, sha256: str | None = SDIST_SHA256) 
         if not python.exists():
             raise ForkError(
                 f"cannot download {name}: no venv python at {rel(python)}; run "
-                "`bash tools/setup_env.sh` (it fetches the sdist) or set FORK_PYTHON"
+                "`bash tools/setup_env.sh` (it fetches the sdist)"
             )
         cache.mkdir(parents=True, exist_ok=True)
         log = cache / "fetch.log"

@@ -1,21 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build the release's CPU extension (``vllm/_C``) offline, once, and cache it.
 
-The end-to-end check (``checks/e2e/``) runs real engines, which need the
-compiled CPU kernels; the series changes Python only, so one build serves both
-trees. ``build`` extracts the verified release sdist, applies the build
-patches in ``series/release.toml``'s ``cpu_patches`` folder (project tooling,
-never exported), and builds with CMake only the target ``CpuPlatform.
-import_kernels`` loads on this machine (``_C`` with AVX512-BF16, else
-``_C_AVX512`` or ``_C_AVX2``). The library lands in
-``build/cache/cpu-ext/<key>/``, the key hashing everything it depends on; a
-second run with the same key does nothing. ``install TREE...`` links it into
-each tree's ``vllm/`` (upstream's .gitignore ignores ``*.so``).
+The real engines need the compiled CPU kernels; the series changes Python
+only, so one build serves both trees. The build applies the patches in
+``series/release.toml``'s ``cpu_patches`` folder to the verified sdist and
+builds with CMake only the target ``CpuPlatform.import_kernels`` loads here,
+into ``build/cache/cpu-ext/<key>/``, the key hashing everything it depends
+on. Needs CMake and ninja (the venv has both), gcc >= 12.2 and ``numa.h``.
 
-Needs CMake >= 3.26 and ninja (the project venv has both), gcc >= 12.2 and
-``numa.h`` (``libnuma-dev``, installed with apt-get when run as root).
-
-    python3 -m forktools.cpu_ext build | key | install build/vllm build/stock
+    python3 -m forktools.cpu_ext install build/vllm build/stock
 """
 
 from __future__ import annotations
@@ -201,10 +194,9 @@ def _build(tgt: str) -> Path:
     shutil.copy2(built[0], tmp)
     tmp.rename(dest / built[0].name)
     seconds = time.monotonic() - begin
-    (dest / "build.json").write_text(
-        json.dumps({"target": tgt, "seconds": round(seconds, 1),
-                    "patches": [p.name for p in sorted(PATCH_DIR.glob("*.diff"))]})
-        + "\n", encoding="utf-8")  # fmt: skip
+    # run_costs reads how long the build took.
+    info = json.dumps({"seconds": round(seconds, 1)}) + "\n"
+    (dest / "build.json").write_text(info, encoding="utf-8")
     shutil.rmtree(src, ignore_errors=True)
     shutil.rmtree(bld, ignore_errors=True)
     print(f"cpu_ext: built {tgt} in {seconds:.0f} s")
@@ -226,19 +218,10 @@ def install(trees: list[Path]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build")
-    sub.add_parser("key")
-    inst = sub.add_parser("install")
-    inst.add_argument("trees", nargs="+", type=Path)
+    sub.add_parser("install").add_argument("trees", nargs="+", type=Path)
     args = parser.parse_args(argv)
     try:
-        if args.cmd == "build":
-            build()
-        elif args.cmd == "key":
-            tgt = target()
-            print(f"{tgt} {key(tgt)}")
-        else:
-            install(args.trees)
+        install(args.trees)
     except BuildError as e:
         print(f"cpu_ext: {e}", file=sys.stderr)
         return 1

@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build, save and export the vLLM NIXL patch series.
 
-The repository holds only what the series adds on top of the vLLM release
-sdist: new files at their upstream paths and one diff per patch against
-upstream files, described in order by ``series/manifest.toml``. This tool
-turns that into a git tree of the patched release (``build/vllm``) and back;
-``--help`` lists the subcommands. Stdlib only; any Python >= 3.11 runs it.
+``--help`` lists the subcommands; project-docs/fork.md says what each does.
+Stdlib only; any Python >= 3.11 runs it.
 """
 
 from __future__ import annotations
@@ -40,18 +37,21 @@ from forktools.manifest import (
     STACKS,
     VLLM_VERSION,
     ForkError,
+    Patch,
     load_manifest,
     patch_lines,
 )
+from forktools.pages import DIRECTIVE
 from forktools.save_series import check_root, save
 
-# The series was written with an AI assistant; upstream's contributing guide
-# asks for a trailer on every such commit (and a note in the PR description,
-# which the cover letters carry).
+# Upstream's contributing guide asks for it on AI-assisted commits.
 AI_TRAILER = "Assisted-by: Claude"
-# The layout stack's RFC: a file of its first patch, also exported as the
-# text of an RFC issue.
+# The layout stack's RFC, also exported as the text of an RFC issue.
 RFC_DOC = "docs/design/nixl_kv_layout.md"
+# A patch's PR description ("cover letter"): series/covers/<name>.md, upstream's
+# PR template, with LINES filled with the patch's size.
+COVERS = paths.SERIES / "covers"
+LINES = "<!-- lines -->"
 
 
 def stack_dir(out_dir: Path, stack: str) -> Path:
@@ -101,9 +101,48 @@ def export(out_dir: Path, identity: tuple[str, str]) -> list[Path]:
     return patches
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from forktools.covers import CoverError, write_cover_letters
+def render_cover(text: str, patch: Patch) -> str:
+    """The cover template ``text`` of ``patch`` with its size filled in.
 
+    A description quotes only what runs in a vLLM tree, so a project table
+    directive in it is refused.
+    """
+    out: list[str] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if DIRECTIVE.match(line.strip()):
+            raise ForkError(
+                f"export: cover {patch.name}: line {n}: {line.strip()}: a PR "
+                "description quotes a test or snippet that runs in a vLLM "
+                "tree, not a table of this project"
+            )
+        if line.strip() == LINES:
+            counts = patch_lines(patch).items()
+            size = ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts if a or r)
+            line = f"Size (new files and hunks): {size}."
+        out.append(line)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_cover_letters(patches: list[tuple[Patch, Path]], out_dir: Path) -> list[Path]:
+    """Write ``out_dir/<patch file stem>.md`` for each ``(patch, exported
+    .patch file)`` whose patch has a template; return the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.md"):
+        old.unlink()
+    written: list[Path] = []
+    for patch, patch_file in patches:
+        template = COVERS / f"{patch.name}.md"
+        if not template.exists():
+            continue
+        body = render_cover(template.read_text(encoding="utf-8"), patch)
+        head = f"# {patch.subject}\n\nPatch: `{patch_file.name}`\n\n"
+        dest = out_dir / f"{patch_file.stem}.md"
+        dest.write_text(head + body, encoding="utf-8")
+        written.append(dest)
+    return written
+
+
+def cmd_export(args: argparse.Namespace) -> int:
     manifest = load_manifest()
     out_dir = Path(args.dir) if args.dir else paths.BUILD / "series-export"
     patches = export(out_dir, require_user_identity())
@@ -123,12 +162,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     texts = {p: p.read_text(encoding="utf-8").split("\n---\n", 1)[0] for p in patches}
     for stack in EXPORTED_STACKS:
         dest = stack_dir(out_dir, stack)
-        mine = [(by_file[f].name, by_file[f].subject, f) for f in patches
-                if f.parent == dest]  # fmt: skip
-        try:
-            covers = write_cover_letters(mine, dest / "cover-letters")
-        except CoverError as exc:
-            raise ForkError(f"export: {exc}") from None
+        mine = [(by_file[f], f) for f in patches if f.parent == dest]
+        covers = write_cover_letters(mine, dest / "cover-letters")
         texts.update((c, c.read_text(encoding="utf-8")) for c in covers)
         print(f"export: {len(covers)} cover letter(s) in {rel(dest.resolve())}")
     rfc = paths.TREE / RFC_DOC

@@ -85,13 +85,12 @@ def git_out(cwd: Path, *args: str) -> str:
 
 def user_identity() -> tuple[str, str] | None:
     """``git config user.name/user.email`` of whoever runs this, if both set."""
-    values = []
-    for key in ("user.name", "user.email"):
-        proc = subprocess.run(
+    name, email = (
+        subprocess.run(
             ["git", "config", key], cwd=paths.ROOT, capture_output=True, text=True
-        )
-        values.append(proc.stdout.strip() if proc.returncode == 0 else "")
-    name, email = values
+        ).stdout.strip()
+        for key in ("user.name", "user.email")
+    )
     return (name, email) if name and email else None
 
 

@@ -82,10 +82,6 @@ class Manifest:
         return [p for p in self.patches if p.stack in EXPORTED_STACKS]
 
 
-def manifest_file() -> Path:
-    return paths.ROOT / MANIFEST_REL
-
-
 def check_relpath(where: str, path: str) -> None:
     parts = Path(path).parts
     if not path or Path(path).is_absolute() or ".." in parts or "\\" in path:
@@ -94,7 +90,7 @@ def check_relpath(where: str, path: str) -> None:
 
 def load_manifest(require_subject: bool = True, path: Path | None = None) -> Manifest:
     """Parse and validate the manifest (``path``: another one than the root's)."""
-    path = path or manifest_file()
+    path = path or paths.ROOT / MANIFEST_REL
     rel = f"{path.parent.name}/{path.name}"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -102,11 +98,6 @@ def load_manifest(require_subject: bool = True, path: Path | None = None) -> Man
         raise ForkError(f"{rel} not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ForkError(f"{rel}: invalid TOML: {exc}") from None
-    if "signed_off_by" in data:
-        raise ForkError(
-            f"{rel}: remove signed_off_by; patches are signed off by whoever "
-            "exports them (git config user.name/user.email)"
-        )
     unknown = set(data) - {"patch"}
     if unknown:
         raise ForkError(f"{rel}: unknown top-level keys {sorted(unknown)}")

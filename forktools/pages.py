@@ -2,10 +2,9 @@
 """The project's pages (README.md, project-docs/*.md) as text.
 
 Measured figures are never typed: a line ``<!-- table: NAME -->`` opens a
-block that ``python -m forktools.docs_tables readme`` fills from the JSON a
-command wrote, up to ``<!-- end table -->``. ``typed_figures`` finds a
-figure typed by hand outside such a block (the ``lint:project`` suite
-refuses them); ``long_lines`` a line over ``MAX_LINE``.
+block that ``python -m forktools.docs_tables readme`` fills, up to
+``<!-- end table -->``; the ``lint:project`` suite refuses a figure typed
+outside one (``typed_figures``) and a line over ``MAX_LINE``.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ DIRECTIVE = re.compile(
     r"^<!-- table: (?P<name>[a-z0-9-]+)(:(?P<arg>[a-z0-9,-]+))? -->$"
 )
 END_TABLE = "<!-- end table -->"
-# The pages whose tables ``readme`` fills: the landing page and the project's
-# own pages (not upstream's docs/: the series keeps upstream paths at the root).
 WRAP = 100  # text lines of rendered tables' notes
 MAX_LINE = 300  # no line of a page is longer, outside code blocks
 # A word that would start a Markdown block if a wrapped line began with it.
@@ -32,12 +29,12 @@ LIST_ITEM = re.compile(r"^([-*+] |\d+\. )")
 
 
 def pages() -> list[Path]:
-    """README.md, then project-docs/*.md."""
+    """README.md, then project-docs/*.md (not upstream's docs/)."""
     return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
-def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
-    """Wrap text lines (not table rows, not code) at ``width``.
+def wrap_markdown(lines: Sequence[str]) -> list[str]:
+    """Wrap text lines (not table rows, not code) at ``WRAP``.
 
     A list item's continuation lines are indented under its text; a line
     never starts with a word that would open a Markdown block.
@@ -48,7 +45,7 @@ def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
         stripped = line.lstrip()
         if stripped.startswith("```"):
             fence = not fence
-        if fence or len(line) <= width or stripped.startswith(("|", "```")):
+        if fence or len(line) <= WRAP or stripped.startswith(("|", "```")):
             out.append(line)
             continue
         indent = line[: len(line) - len(stripped)]
@@ -58,7 +55,7 @@ def wrap_markdown(lines: Sequence[str], width: int = WRAP) -> list[str]:
         current = first
         for word in stripped[len(item.group(0)) if item else 0 :].split():
             bare = current in (first, rest)
-            too_long = len(current) + 1 + len(word) > width
+            too_long = len(current) + 1 + len(word) > WRAP
             if not bare and too_long and not BLOCK_START.match(word):
                 out.append(current)
                 current = rest + word
@@ -95,12 +92,12 @@ def typed_figures(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def long_lines(text: str, limit: int = MAX_LINE) -> list[int]:
-    """Numbers of the lines longer than ``limit``, outside code blocks."""
+def long_lines(text: str) -> list[int]:
+    """Numbers of the lines longer than ``MAX_LINE``, outside code blocks."""
     found, fence = [], False
     for n, line in enumerate(text.splitlines(), start=1):
         if line.lstrip().startswith("```"):
             fence = not fence
-        elif not fence and len(line) > limit:
+        elif not fence and len(line) > MAX_LINE:
             found.append(n)
     return found

@@ -4,18 +4,14 @@
     python3 -m forktools.release take NEW_VERSION --sha256 HASH [--from REV]
                              [--each] [--work DIR] [--dry-run] [--resume]
 
-In a scratch repository (``build/release/<NEW>/vllm``) the series of project
-commit REV is built on its own release, as ``fork.py build`` does, and each
-of its commits cherry-picked onto the new release. A conflict stops it with a
-report (resolve, ``git cherry-pick --continue``, rerun with ``--resume``);
-once all apply, the series is written back as ``fork.py save`` writes it and
-``series/release.toml`` moves to the new release. project-docs/releases.md
-says how a release is taken. Stdlib only.
+project-docs/releases.md says what it does and how a release is taken.
+Stdlib only.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shutil
@@ -105,12 +101,7 @@ def base_at(rev: str) -> Base:
     """The release of the series at ``rev`` (release.toml, else constants)."""
     text = show(rev, "series/release.toml")
     if text is not None:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ForkError(f"series/release.toml at {rev[:12]}: {exc}") from None
-        if "version" not in data:
-            raise ForkError(f"series/release.toml at {rev[:12]}: no version")
+        data = tomllib.loads(text)
         return Base(data["version"], data.get("sha256"), data.get("base_commit"))
     version = constant(show(rev, "tools/manifest.py"), "VLLM_VERSION")
     fork_py = show(rev, "tools/fork.py")
@@ -136,21 +127,15 @@ def read_series(rev: str, dest: Path) -> Series:
     wanted = {MANIFEST_REL}
     for p in manifest.patches:
         wanted.update([*p.files, *([p.diff] if p.diff else [])])
-    listed = git_out(paths.ROOT, "ls-tree", "-r", "--name-only", "-z", rev)
-    missing = sorted(wanted - set(listed.split("\0")))
-    if missing:
-        raise ForkError(f"{rev[:12]}: the manifest names files it lacks: {missing}")
-    tar = dest / ".series.tar"
-    with open(tar, "wb") as out:
-        proc = subprocess.run(
-            ["git", "archive", "--format=tar", rev, "--", *sorted(wanted)],
-            cwd=paths.ROOT, stdout=out, stderr=subprocess.PIPE, env=git_env(),
-        )  # fmt: skip
+    # A file the manifest names but ``rev`` lacks fails the archive.
+    proc = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "--", *sorted(wanted)],
+        cwd=paths.ROOT, capture_output=True, env=git_env(),
+    )  # fmt: skip
     if proc.returncode != 0:
         raise ForkError(f"git archive {rev[:12]} failed: {proc.stderr.decode()[-200:]}")
-    with tarfile.open(tar) as tf:
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tf:
         tf.extractall(dest, filter="data")
-    tar.unlink()
     return Series(rev, base, manifest, dest)
 
 
@@ -253,8 +238,6 @@ def build_old(repo: Path, series: Series, sdist: Path) -> None:
                     f"release v{old.version}: {exc}"
                 ) from None
     git(repo, "branch", "-q", f"series-{old.version}")
-    # Whoever resolves a conflict there runs plain git: no background repack.
-    git(repo, "config", "gc.auto", "0")
 
 
 def series_on_old(repo: Path, old: Base) -> list[str]:
@@ -270,6 +253,7 @@ def build_scratch(work: Path, series: Series, old_sdist: Path, new: str,
     build_old(old_repo, series, old_sdist)
     expect = RELEASE.get("base_commit") if RELEASE.get("version") == new else None
     new_base = make_base(repo, new_sdist, new, expect)
+    # Whoever resolves a conflict there runs plain git: no background repack.
     git(repo, "config", "gc.auto", "0")
     # Borrow the old release's objects: the fetch below copies nothing.
     alternates = repo / ".git" / "objects" / "info" / "alternates"
@@ -300,7 +284,7 @@ def cherry_pick(repo: Path, commit: str) -> tuple[bool, bool]:
     raise ForkError(f"git cherry-pick {commit[:12]} failed: {text.strip()[-300:]}")
 
 
-def write_back(s: Scratch, series: Series, new_sha: str, new_base: str) -> list[str]:
+def write_back(s: Scratch, rev: str, new_sha: str, new_base: str) -> list[str]:
     """Write the rebased series and the new release.toml into the repository."""
     out = RepoWriter(check=False)
     commits = git_out(s.repo, "rev-list", "--reverse", f"{s.new_tag}..HEAD").split()
@@ -318,36 +302,22 @@ def write_back(s: Scratch, series: Series, new_sha: str, new_base: str) -> list[
         f"wrote {MANIFEST_REL} ({len(patches)} patch(es)), "
         "series/diffs/ and the new files"
     )
-    RELEASE_FILE.write_text(
-        release_toml(RELEASE_FILE, s, new_sha, new_base, series.rev), encoding="utf-8"
-    )
+    RELEASE_FILE.write_text(release_toml(s, new_sha, new_base, rev), encoding="utf-8")
     msgs.append(f"wrote {rel(RELEASE_FILE)}: {s.new_tag}, [previous] {s.old_tag}")
     return msgs
 
 
-def set_key(text: str, key: str, value: str) -> str:
-    """``text`` with top-level ``key = value`` set (replaced or appended)."""
-    line = f"{key} = {json.dumps(value)}"
-    pat = re.compile(rf"^{key} *=.*$", re.M)
-    head, sep, tail = text.partition("\n[")
-    if pat.search(head):
-        head = pat.sub(lambda _: line, head, count=1)
-    else:
-        head = head.rstrip("\n") + "\n" + line + "\n"
-    return head + sep + tail
-
-
-def release_toml(path: Path, s: Scratch, sha: str, base: str, rev: str) -> str:
+def release_toml(s: Scratch, sha: str, base: str, rev: str) -> str:
     """release.toml on the new release, the old one as [previous]."""
-    text = path.read_text(encoding="utf-8") if path.is_file() else (
-        'cpu_patches = "tools/cpu_ext"\n\n[exceptions]\n'
-    )  # fmt: skip
+    text = RELEASE_FILE.read_text(encoding="utf-8")
     text = re.sub(r"\n\[previous\]\n(?:(?!\[)[^\n]*\n?)*", "\n", text).rstrip("\n")
-    text += "\n"
     for key, value in (("version", s.new), ("sha256", sha), ("base_commit", base)):
-        text = set_key(text, key, value)
+        line = f"{key} = {json.dumps(value)}"
+        text = re.sub(
+            rf"^{key} *=.*$", lambda _, ln=line: ln, text, count=1, flags=re.M
+        )
     return text + (
-        f"\n[previous]\nversion = {json.dumps(s.old.version)}\n"
+        f"\n\n[previous]\nversion = {json.dumps(s.old.version)}\n"
         f"sha256 = {json.dumps(s.old.sha256 or '')}\n"
         f"series_commit = {json.dumps(rev)}\n"
     )
@@ -426,7 +396,7 @@ def cmd_take(args: argparse.Namespace) -> int:
         commits = series_on_old(repo, old)
         s = Scratch(repo, old, new, commits, list(series.manifest.patches))
         say(f"scratch: {rel(repo)}: {mode}d ({len(commits)} patch(es))")
-    rc = take_each(s) if args.each else take_all(s, series, key, args.dry_run)
+    rc = take_each(s) if args.each else take_all(s, key, args.dry_run)
     for line in recheck(s.repo, s.old_tag, s.new_tag):
         say(line)
     say(f"take: {time.monotonic() - t0:.0f}s")
@@ -451,7 +421,7 @@ def take_each(s: Scratch) -> int:
     return 0
 
 
-def take_all(s: Scratch, series: Series, key: dict, dry_run: bool) -> int:
+def take_all(s: Scratch, key: dict, dry_run: bool) -> int:
     repo, work = s.repo, s.repo.parent
     if (repo / ".git" / "CHERRY_PICK_HEAD").exists():
         raise ForkError(
@@ -490,7 +460,7 @@ def take_all(s: Scratch, series: Series, key: dict, dry_run: bool) -> int:
             f"uncommitted changes in {dirty[:3]}{'...' if len(dirty) > 3 else ''}; "
             f"commit or stash them, then rerun with --resume ({rel(repo)} is kept)"
         )
-    for msg in write_back(s, series, key["sha256"], new_base):
+    for msg in write_back(s, key["rev"], key["sha256"], new_base):
         say(f"write: {msg}")
     # The scratch repository holds both releases, so git abbreviates blob
     # ids in the diffs' index lines differently from build/vllm: rebuild

@@ -9,12 +9,8 @@ before the venv exists)::
     python3 -m forktools.run_costs mark test build # a phase starts
     python3 -m forktools.run_costs end test RC     # durations, peak memory, disk
 
-and write ``build/costs/<command>.json``, which ``forktools/docs_tables.py
-readme run-costs`` renders into README. Memory is the machine's
-``MemTotal - MemAvailable`` (what a run needs on a machine that runs nothing
-else), its peak over the run and its value at the start; disk is the
-checkout's bytes at the end (``.venv`` and ``build/`` included) and the uv and
-npm download caches the set-up fills outside it.
+and write ``build/costs/<command>.json`` for README's run-costs table, whose
+note says what memory and disk count.
 """
 
 from __future__ import annotations
@@ -83,13 +79,8 @@ def _disk_bytes() -> dict[str, int]:
         return int(out.split()[0]) if out else 0
 
     uv = Path(os.environ.get("UV_CACHE_DIR", Path.home() / ".cache" / "uv"))
-    return {
-        ".venv": du(ROOT / ".venv"),
-        "build": du(ROOT / "build"),
-        "checkout": du(ROOT),
-        # Downloads the set-up leaves outside the checkout.
-        "caches": du(uv) + du(Path.home() / ".npm"),
-    }
+    # The checkout, and the downloads the set-up leaves outside it.
+    return {"checkout": du(ROOT), "caches": du(uv) + du(Path.home() / ".npm")}
 
 
 def _cpu_ext_seconds(since: float) -> float | None:

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``fork.py save`` and ``check-root``: build/vllm's commits back into the repo.
 
-Each commit above the release tag maps, in order, to a manifest [[patch]]:
-its new files go to the root as the whole series leaves them (HEAD's), its
-changes to upstream files to ``series/diffs/NNNN-<name>.diff``. Stdlib only.
+Each commit above the release tag maps, in order, to a manifest [[patch]]
+(project-docs/fork.md, "Editing the series"). Stdlib only.
 """
 
 from __future__ import annotations
