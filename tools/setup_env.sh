@@ -128,7 +128,6 @@ step() {
 mkdir -p build/cache
 case $ENV_DIR in /*) ;; *) ENV_DIR=$ROOT/$ENV_DIR ;; esac
 VPY=$ENV_DIR/bin/python
-export FORK_PYTHON=$VPY
 
 stamp_key() {
   {
