@@ -1,21 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """P/D pairs across trees: each side a configuration, in its own tree's process.
 
-A rolling upgrade pairs a stock 0.34.0 instance with a patched one. Here each
-side of a pair is what a user sets (``Config``) and runs in a process of its
-tree (``checks.cross_tree_side``; one process per tree: P and D of one tree
-share it, each side with its own worker and agent per TP rank). The side
-resolves the KV cache layout with its tree's own ``resolve_kv_cache_layout``
-(as on CUDA), builds it with vLLM's planner and allocator and a pull worker
-with real NIXL, and exchanges what the deployment's side channel carries: the
-prefiller's handshake payload (compatibility hash checked as
-``_nixl_handshake`` checks it), then the request's block ids. The decoder
-reads the request through its own read path from the prefiller's memory and
-checks every page against the bytes the prefiller holds for it; at TP above
-1, each KV head against the prefiller rank that holds it.
-
-``checks/test_cross_tree.py`` runs every ``CROSS_CASES`` pair and holds it
-against stock + stock of the same configurations (``Pair.oracle``).
+A side (``Config``: what a user sets) resolves its KV cache layout with its
+tree's own ``resolve_kv_cache_layout``, builds it with vLLM's planner and a
+pull worker with real NIXL (``checks.cross_tree_side``; one process per tree
+holds P's and D's sides of that tree, a worker per TP rank). Only what a
+deployment's side channel carries crosses processes: the prefiller's
+handshake payload, then the request's block ids. ``checks/test_cross_tree.py``
+holds every ``CROSS_CASES`` pair against stock + stock (``Pair.oracle``).
 """
 
 from __future__ import annotations
@@ -126,11 +118,6 @@ def _both_ways(a: Config, b: Config) -> list[Pair]:
     return [Pair(a, b), Pair(b, a)]
 
 
-def _upgrade(**kw: Any) -> list[Pair]:
-    """Stock P -> series D and back, of the same settings."""
-    return _both_ways(_stock(**kw), _fork(**kw))
-
-
 def _across(prefill: dict[str, Any], decode: dict[str, Any]) -> list[Pair]:
     """Stock P -> series D and series P -> stock D of the same settings."""
     return [
@@ -139,9 +126,11 @@ def _across(prefill: dict[str, Any], decode: dict[str, Any]) -> list[Pair]:
     ]
 
 
-# Both directions of a rolling upgrade (stock <-> fork defaults, device or
-# host staging), a host-staging peer, one-sided settings (block size,
-# VLLM_KV_CACHE_LAYOUT, a MultiConnector) and rows shared by groups.
+def _upgrade(**kw: Any) -> list[Pair]:
+    """Stock P -> series D and back, of the same settings."""
+    return _across(kw, kw)
+
+
 CROSS_CASES: list[Pair] = [
     # Stock 0.34.0 <-> series on defaults, every family, both ways: MLA rows
     # against stock's per-layer pages (DeepSeek-V4's indexers take BLHNC on
@@ -159,10 +148,7 @@ CROSS_CASES: list[Pair] = [
     # User-set BHLNC at one KV head per rank: Llama-3.1-8B-like at TP 8 on
     # both sides (rank r reads rank r); heterogeneous TP of a model of one KV
     # head, replicated on every rank past the first (``STOCK_REFUSALS``).
-    *_across(
-        {"model": "llama8b", "layout": "BHLNC", "tp": 8},
-        {"model": "llama8b", "layout": "BHLNC", "tp": 8},
-    ),
+    *_upgrade(model="llama8b", layout="BHLNC", tp=8),
     *_across(
         {"model": "llama", "layout": "BHLNC", "tp": 2},
         {"model": "llama", "layout": "BHLNC", "tp": 4},
@@ -178,7 +164,7 @@ CROSS_CASES: list[Pair] = [
     # GQA on defaults: the series prefers BLHNC rows (one region per side),
     # stock keeps LBHNC. A series decoder reads a stock prefiller page by page
     # (head slices at heterogeneous TP); a stock decoder refuses a series
-    # prefiller at the handshake, naming both layouts (``SERIES_REFUSALS``).
+    # prefiller at the handshake, naming both layouts (``series_refusal``).
     Pair(_fork(model="llama8b"), _fork(model="llama8b")),
     Pair(_fork(model="llama8b"), _fork(model="llama8b", tp=2)),
     Pair(_fork(model="llama8b", tp=2), _fork(model="llama8b")),
@@ -268,7 +254,6 @@ def series_refusal(pair: Pair) -> str | None:
 
     Returns:
         How the refusal starts (``error: message``), or None for other pairs.
-
     """
     p, d = pair.prefill, pair.decode
     preferred = p.layout is None and p.block_size is None and p.backend is None
@@ -286,9 +271,6 @@ def series_refusal(pair: Pair) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ child side
-
-
 def tree_env(tree: Path) -> dict[str, str]:
     """This process's environment for a child that imports vLLM from ``tree``."""
     return dict(os.environ, PYTHONPATH=tree_pythonpath(tree))
@@ -297,14 +279,14 @@ def tree_env(tree: Path) -> dict[str, str]:
 class Process:
     """A process of one tree serving sides (``cross_tree_side.serve``)."""
 
-    def __init__(self, tree: Path, log: Any = subprocess.DEVNULL) -> None:
+    def __init__(self, tree: Path) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "checks.cross_tree_side"],
             cwd=ROOT,
             env=tree_env(tree),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=log,
+            stderr=subprocess.DEVNULL,
             text=True,
         )
 
@@ -336,13 +318,11 @@ class Processes:
 
     def __init__(self, trees: dict[str, Path]) -> None:
         self.trees = trees
-        log = os.environ.get("CROSS_TREE_LOG")
-        self.log = open(log, "a") if log else subprocess.DEVNULL  # noqa: SIM115
         self.procs: dict[str, Process] = {}
 
     def get(self, tree: str) -> Process:
         if tree not in self.procs or self.procs[tree].proc.poll() is not None:
-            self.procs[tree] = Process(self.trees[tree], self.log)
+            self.procs[tree] = Process(self.trees[tree])
         return self.procs[tree]
 
     def pair(self, p_tree: str, d_tree: str) -> tuple[Process, Process]:
@@ -351,7 +331,7 @@ class Processes:
         earlier side is shut down first: an idle NIXL agent's progress thread
         polls, and idle agents on two cores slow every READ."""
         for tree in dict.fromkeys([*self.procs, p_tree, d_tree]):
-            self.get(tree).ask(op="drop", keep=[])
+            self.get(tree).ask(op="drop")
         return self.get(p_tree), self.get(d_tree)
 
     def close(self) -> None:

@@ -2,8 +2,7 @@
 """One side of a ``cross_tree`` pair: a worker in a process of its own tree.
 
 ``python -m checks.cross_tree_side`` (with the tree on ``PYTHONPATH``) serves
-sides for ``cross_tree.Processes``: JSON commands on stdin, one JSON answer
-per line.
+sides for ``cross_tree.Processes`` (``serve``).
 """
 
 from __future__ import annotations
@@ -22,13 +21,9 @@ from types import SimpleNamespace
 from typing import Any
 from unittest.mock import patch
 
-import msgspec
 import torch
 from tests.v1.kv_connector.unit.utils import create_vllm_config
 from vllm.config.model import ModelConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    NixlAgentMetadata,
-)
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
@@ -36,11 +31,13 @@ from vllm.v1.attention.backends.utils import (
 )
 
 from checks.cross_tree import BACKENDS, CPU_ATTN, GQA_MODELS, KILLED_REQ, Config
-from checks.truth import all_zero, clear_views, layer_pages, sample_ids
-from forktools.bench.job_nixl import verify_heads_and_zero
+from checks.faults import poll_report
+from checks.truth import layer_pages, sample_ids, verdict
+from forktools.bench.job_nixl import all_zero, verify_heads_and_zero
 from forktools.harness.blocks import rank_heads
 from forktools.harness.layout_zoo import build_zoo_layout, make_zoo_worker
 from forktools.harness.real_nixl import (
+    connect,
     fill_pattern,
     pull_request,
     request_meta,
@@ -218,20 +215,20 @@ class Side:
         """Check the peer's hash and add its agent, as ``_nixl_handshake`` does."""
         if peer["hash"] != self.worker.compat_hash:
             return {"accepted": False, "error": "handshake: compatibility hash differs"}
-        meta = msgspec.msgpack.decode(
-            base64.b64decode(peer["meta"]), type=NixlAgentMetadata
-        )
-        rank, tp = peer.get("rank", 0), peer.get("tp", 1)
+        hs = SimpleNamespace(agent_metadata_bytes=base64.b64decode(peer["meta"]))
+        prefiller = SimpleNamespace(engine_id="prefill", xfer_handshake_metadata=hs)
         try:
-            agent = self.worker.add_remote_agent(
-                meta, remote_tp_rank=rank, remote_tp_size=tp
+            connect(
+                self.worker,
+                prefiller,
+                remote_tp_rank=peer["rank"],
+                remote_tp_size=peer["tp"],
             )
         except Exception as e:  # noqa: BLE001 - an outcome, compared with stock
             error = f"handshake: {type(e).__name__}"
             return {"accepted": False, "error": error, "message": str(e)}
-        self.worker._remote_agents.setdefault("prefill", {})[(0, rank)] = agent
         self.peer_block_size = peer["block_size"]
-        self.peer_tp = tp
+        self.peer_tp = peer["tp"]
         return {"accepted": True}
 
     def read(self, peers: list[dict[str, Any]], pages: dict | None = None) -> dict:
@@ -304,15 +301,6 @@ class Side:
             out["outside_clean"] &= run_truth["outside_clean"]
         return out
 
-    def _verdict(self, checked: int, wrong: int) -> dict[str, Any]:
-        """With the checked pages zeroed: whether D wrote nothing else."""
-        return {
-            "pages": checked,
-            "wrong_pages": wrong,
-            "outside_clean": all_zero(self.raws),
-            "untouched": clear_views(self.layout, self.worker, self.raws),
-        }
-
     def _head_truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
         """At heterogeneous TP: each KV head of D's ``[B, H, N, C]`` pages
         against that head of the prefiller rank that holds it (the first of
@@ -349,7 +337,7 @@ class Side:
                 checked += 1
                 wrong += not ok or compared != page_bytes
                 padded[d_block].zero_()
-        return self._verdict(checked, wrong)
+        return verdict(self.layout, self.worker, self.raws, checked, wrong)
 
     def _truth(self, local, remote, pages, ratio: int) -> dict[str, Any]:
         """D's pages of the request against P's bytes; nothing else written."""
@@ -371,7 +359,7 @@ class Side:
                 checked += 1
                 wrong += _page_bytes(view, d_block)[: len(want)] != want
                 padded[d_block].zero_()
-        return self._verdict(checked, wrong)
+        return verdict(self.layout, self.worker, self.raws, checked, wrong)
 
     def layer_digests(self, blocks: list[list[int]]) -> dict[str, str]:
         """Per layer, a digest of its pages of ``blocks`` (per group), in order."""
@@ -436,14 +424,8 @@ class Side:
     def poll(self, want: dict[str, str], timeout_s: float) -> dict[str, Any]:
         """Poll as the engine does until the request is reported; then the
         pages against the prefiller's ``digests`` and the rest of D."""
-        start, finished, failed = time.monotonic(), False, False
-        while time.monotonic() - start < timeout_s:
-            results = self.worker.get_transfer_results()
-            if KILLED_REQ in results.finished_recving:
-                finished = True
-                failed = KILLED_REQ in results.failed_recving
-                break
-            time.sleep(0.001)
+        start = time.monotonic()
+        finished, failed = poll_report(self.worker, KILLED_REQ, timeout_s)
         invalid = sorted(self.worker.get_block_ids_with_load_errors())
         got = self.layer_digests(self.posted)
         self._zero_pages(got, self.posted)
@@ -465,18 +447,19 @@ _SIDE_OPS |= {"post", "poll", "read_lists"}
 
 
 def _answer(sides: dict[tuple[str, int], Side], cmd: dict[str, Any]) -> dict:
-    op, engine = cmd.pop("op"), cmd.pop("engine_id", None)
-    key = (engine, cmd.pop("rank", 0))
+    op, key = cmd.pop("op"), (cmd.pop("engine_id", None), cmd.pop("rank", 0))
+    if op in _SIDE_OPS:
+        return getattr(sides[key], op)(**cmd)
     if op == "build":
         keep = set(cmd.get("keep_ranks", ())) - {key[1]}
-        gone = [k for k in sides if k[0] == engine and k[1] not in keep]
+        gone = [k for k in sides if k[0] == key[0] and k[1] not in keep]
     else:
-        gone = [k for k in sides if k[0] not in cmd.get("keep", ())]
+        gone = list(sides)
     for k in gone:
         sides.pop(k).worker.shutdown()
     if op == "drop":
-        return {"sides": sorted(f"{e}/{r}" for e, r in sides)}
-    sides[key] = Side(cmd["config"], engine, cmd.get("geometry"), key[1])
+        return {}
+    sides[key] = Side(cmd["config"], key[0], cmd.get("geometry"), key[1])
     return sides[key].payload()
 
 
@@ -487,8 +470,7 @@ def serve() -> int:
     and D run the same tree) and TP rank. Every command names its side's
     engine id and rank (default 0); ``build`` replaces that side and shuts
     down its engine's other ranks but those in ``keep_ranks``; ``drop``
-    shuts down the sides whose engine is not in ``keep``. An unknown
-    command ends the process.
+    shuts down every side. An unknown command ends the process.
     """
     # Answers go to the original stdout; everything the tree prints, to stderr.
     answers = os.fdopen(os.dup(1), "w")
@@ -501,11 +483,7 @@ def serve() -> int:
         if op not in _SIDE_OPS | {"build", "drop"}:
             break
         try:
-            if op in _SIDE_OPS:
-                side = sides[(cmd.pop("engine_id", None), cmd.pop("rank", 0))]
-                answer = getattr(side, cmd.pop("op"))(**cmd)
-            else:
-                answer = _answer(sides, cmd)
+            answer = _answer(sides, cmd)
         except Exception as e:  # noqa: BLE001 - reported to the parent
             answer = {"error": f"{op}: {type(e).__name__}", "message": str(e)}
         print(json.dumps(answer), file=answers, flush=True)

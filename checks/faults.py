@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Faults and bad peer input on the NIXL read path, runnable on any tree.
 
-Every case builds a prefill and a decode pull worker over ``layout_zoo``
-layouts with real NIXL agents on host DRAM, hands P's handshake metadata to
-D, submits one request as ``start_load_kv`` does, injects one of ``FAULTS``,
-and polls the decoder as the engine does until it reports the request. The
-outcome is what the scheduler would see (and does, ``scheduler_outcome``)
-and what the decoder holds. The same code runs against stock 0.34.0
-(``--json``) and the fork (``checks/test_faults.py``).
+Every case builds a prefill and a decode pull worker with real NIXL agents on
+host DRAM, hands P's handshake metadata to D, submits one request as
+``start_load_kv`` does, injects one of ``FAULTS`` and polls the decoder until
+it reports the request; the outcome is what the scheduler would see (and
+does, ``scheduler_outcome``) and what the decoder holds. Stock's run is the
+oracle of ``checks/test_faults.py``::
 
     PYTHONPATH=build/stock:. python -m checks.faults --json stock_faults.json
 """
@@ -17,7 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
+import logging.handlers
 import random
 import sys
 import time
@@ -82,11 +81,6 @@ class Fault:
     def bad_input(self) -> bool:
         return self.remote is not None
 
-    @property
-    def loaded(self) -> str:
-        """The scheduler's outcome, under every policy, of a load that worked."""
-        return "held, then freed" if self.abort else "loaded"
-
 
 def _raises(method: str) -> Callable[[Any], None]:
     """Replace the NIXL wrapper's ``method`` with one that raises."""
@@ -118,17 +112,14 @@ def _fewer_regions(meta: Any) -> None:
     meta.block_lens = meta.block_lens[: len(meta.kv_caches_base_addr)]
 
 
-# Bad remote block ids are refused before NIXL sees them (nothing posted, the
-# read path raising nothing) by nixl-remote-block-id-checks: on 0.34.0 without
-# it, out-of-range ids reach NIXL, and a missing group list (IndexError) or
-# an empty one (AssertionError, ValueError on a HiSparse decoder) raise out
-# of the read path.
-
 FAULTS = [
     Fault("none"),
     Fault("post-raises", nixl=_raises("make_prepped_xfer")),
     Fault("transfer-raises", nixl=_raises("transfer")),
     Fault("state-err", nixl=_state_err),
+    # Bad remote block ids: the series refuses them before NIXL sees them
+    # (nixl-remote-block-id-checks); on 0.34.0 out-of-range ids reach NIXL,
+    # and a missing or empty group list raises out of the read path.
     Fault(
         "remote-out-of-range",
         remote=lambda ids, blocks: [[b + blocks for b in group] for group in ids],
@@ -164,18 +155,7 @@ class Case:
 CASES = [Case(p, d, fault) for p, d in LAYOUTS for fault in FAULTS]
 
 
-class _Failures(logging.Handler):
-    """vLLM's warnings and errors (the worker's failure lines)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _poll(decode: Any, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
+def poll_report(decode: Any, req_id: str, timeout_s: float = 60.0) -> tuple[bool, bool]:
     """(finished, failed): the request as ``get_transfer_results`` reports it."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -360,7 +340,9 @@ def _submit(fault: Fault, prefill: Any, decode: Any, block_size: int) -> dict:
     stage_request(prefill, req_id, remote)
     if fault.before_read is not None:
         fault.before_read(prefill)
-    logged = _Failures()
+    # vLLM's warnings and errors (the worker's failure lines).
+    logged = logging.handlers.BufferingHandler(capacity=1_000_000)
+    logged.setLevel(logging.WARNING)
     logging.getLogger("vllm").addHandler(logged)
     try:
         decode._recving_metadata[req_id] = meta
@@ -368,7 +350,7 @@ def _submit(fault: Fault, prefill: Any, decode: Any, block_size: int) -> dict:
             decode._read_blocks_for_req(req_id, meta)
         except Exception as e:  # noqa: BLE001 - an outcome
             return {"raised": type(e).__name__, "step": "read"}
-        finished, failed = _poll(decode, req_id)
+        finished, failed = poll_report(decode, req_id)
         invalid = sorted(decode.get_block_ids_with_load_errors())
     finally:
         logging.getLogger("vllm").removeHandler(logged)
@@ -385,13 +367,13 @@ def _submit(fault: Fault, prefill: Any, decode: Any, block_size: int) -> dict:
         # blocks are the first transfer group's.
         "groups": len(decode.kv_cache_config.kv_cache_groups),
         "request_blocks": sorted(set(local[0])),
-        "logged": any(req_id in m for m in logged.messages),
+        "logged": any(req_id in r.getMessage() for r in logged.buffer),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument("--json", type=Path, required=True, help="output file")
     args = parser.parse_args(argv)
     reason = probe_real_nixl()
     if reason is not None:
@@ -400,9 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {case.name: run_case(case) for case in CASES}
     for name, result in results.items():
         print(name, json.dumps(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

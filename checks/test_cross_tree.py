@@ -26,17 +26,13 @@ from checks.cross_tree import (  # noqa: E402
     run_pairs,
     series_refusal,
 )
-from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 from forktools.paths import CHECKS_OUT, STOCK_TREE, TREE  # noqa: E402
 
 OUT = CHECKS_OUT / "cross_tree.json"
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
+def results(real_nixl) -> dict:
     trees = {"stock": Path(os.environ.get("STOCK_TREE", STOCK_TREE)), "fork": TREE}
     for tree in trees.values():
         if not (tree / "vllm" / "__init__.py").is_file():
@@ -108,7 +104,7 @@ def test_pair_pairs_wherever_stock_pairs(results: dict, pair: Pair):
 
 
 @pytest.mark.parametrize("before_post", [True, False], ids=["before-post", "mid-read"])
-def test_killed_prefiller_is_reported(before_post: bool):
+def test_killed_prefiller_is_reported(real_nixl, before_post: bool):
     """The prefiller's process dies before the decoder posts, or right after.
 
     ``cross_tree.run_killed``. Killed before the post, the READ cannot be
@@ -117,9 +113,6 @@ def test_killed_prefiller_is_reported(before_post: bool):
     channel when the READ failed (its blocks: one KV cache group), with
     every page right when it did not, and no other byte written.
     """
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
     got = run_killed(TREE, before_post=before_post)
     assert "error" not in got, got
     assert got["finished"], f"never reported after the prefiller died: {got}"

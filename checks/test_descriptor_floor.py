@@ -1,25 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """READs post exactly the list floor on dense regions, with real NIXL.
 
-A READ's list floor is the fewest descriptors its block lists allow: the
-pieces it moves, merged wherever they are contiguous on both sides (and NIXL
-never merges across two regions). For dense regions (length == block stride:
-a whole BLHNC row, LBNHC layer slabs, mirrored staging rows) that is
-``regions x runs``, where ``runs`` counts the (local, remote) block pairs
-after merging every pair whose successor is ``(local + 1, remote + 1)``.
-
-The block lists come from two real ``BlockPool`` instances (prefiller and
-decoder) driven by a seeded churn of allocations and tail-first frees with
-prefix caching, under the queue and the sorted allocation policies. The
-expected count is computed here from those lists; NIXL's telemetry says what
-the decoder's read path posted.
-
-Rows with several transfer groups (DeepSeek-V4 / V4.1: 6 and 7 groups
-aliasing one whole-row region) get one block list per group, allocated one
-after the other from the same pool, as the hybrid KV cache manager
-allocates a request's groups (``churned_requests``); their floor is
-``regions x runs`` over the pairs of all groups (one region: NIXL merges
-across groups where the posted pairs continue).
+A READ's list floor is the fewest descriptors its block lists allow: on dense
+regions (length == block stride: a whole BLHNC row, LBNHC layer slabs,
+mirrored staging rows) ``regions x runs``, ``runs`` counting the (local,
+remote) block pairs after merging each pair whose successor is ``(local + 1,
+remote + 1)``; NIXL never merges across regions. The lists come from two real
+``BlockPool`` instances driven by a seeded churn with prefix caching, under
+the queue and the sorted allocation policies; NIXL's telemetry says what the
+decoder's read path posted.
 """
 
 import random
@@ -32,7 +21,7 @@ from forktools.harness.layout_zoo import (
     make_zoo_worker,
     zero,
 )
-from forktools.harness.real_nixl import connect, probe_real_nixl, pull_request
+from forktools.harness.real_nixl import connect, pull_request
 
 pytest.importorskip("nixl")
 
@@ -101,16 +90,12 @@ def churned_requests(
 def _pair_floor(decode, engine_id, local, remote) -> int:
     """The fewest descriptors the READ's block lists allow, by NIXL's rule.
 
-    The release pairs the peer's regions with the decoder's per cache group
-    (``_RegionPairs``): pair k moves local region ``local[k]`` at group
-    ``group[k]``'s blocks, groups in ascending order, a pair's blocks after
-    the previous pair's. Each group's (local, remote) blocks are taken in
-    ascending local order (the best order). NIXL merges a descriptor into
-    the one before it only inside one dense region (length == stride) when
-    both block ids advance by one; any other region costs one per block.
+    Region pair k (``_RegionPairs``) moves local region ``local[k]`` at group
+    ``group[k]``'s blocks, groups in ascending order, each group's pairs in
+    ascending local order (the best order); NIXL merges a descriptor into the
+    one before only inside one dense region when both ids advance by one.
     """
     pairs = decode._dst_pairs[engine_id]
-    # Dense regions: length == block stride (a whole row or slab).
     dense = [
         length == stride
         for length, stride in zip(
@@ -135,16 +120,9 @@ def _pair_floor(decode, engine_id, local, remote) -> int:
     )
 
 
-@pytest.fixture(scope="module")
-def nixl_ok() -> None:
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(("name", "regions"), LAYOUTS)
-def test_reads_post_the_list_floor(nixl_ok, name, regions, policy):
+def test_reads_post_the_list_floor(real_nixl, name, regions, policy):
     p_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
     d_layout = build_zoo_layout(name, num_blocks=NUM_BLOCKS)
     groups = len(p_layout.kv_cache_config.transfer_groups)

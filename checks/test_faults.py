@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 under faults and bad peer input (real NIXL).
 
-``forktools/run_tests.py`` first runs ``checks.faults --json`` on the
-pristine 0.34.0 tree and passes its JSON in ``STOCK_FAULTS``. On every case
-(``faults.FAULTS``) the fork must never raise out of the read path (the
-engine calls it from its step: that takes the decoder down); report a request
-it could not read in ``failed_recving``, with exactly the request's blocks as
-invalid for a model of one KV cache group (none for several: block ids are
-not unique across groups); refuse bad peer input before NIXL sees it, with a
-log line naming the request; change no decoder byte outside the request's
-blocks and land every page when it reports success; have vLLM's scheduler
-act on the report as its policy says; and read exactly wherever stock does.
+Stock's outcomes of the same cases come from ``STOCK_FAULTS``. On every case
+the fork must never raise out of the read path (the engine calls it from its
+step: that takes the decoder down); report a request it could not read in
+``failed_recving``, with exactly the request's blocks as invalid for a model
+of one KV cache group (none for several: block ids are not unique across
+groups); refuse bad peer input before NIXL sees it, with a log line naming
+the request; change no decoder byte outside the request's blocks and land
+every page when it reports success; have vLLM's scheduler act on the report
+as its policy says; and read exactly wherever stock does.
 """
 
 import json
@@ -21,22 +20,13 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from checks.faults import CASES, Case, run_case  # noqa: E402
-from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
+from checks.conftest import stock_outcomes  # noqa: E402
+from checks.faults import CASES, POLICIES, Case, run_case  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def stock() -> dict:
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
-    path = Path(os.environ.get("STOCK_FAULTS", "build/checks/stock_faults.json"))
-    if not path.is_file():
-        pytest.fail(
-            f"{path} missing: run `PYTHONPATH=build/stock:. python -m "
-            f"checks.faults --json {path}` (forktools/run_tests.py does)"
-        )
-    return json.loads(path.read_text(encoding="utf-8"))
+def stock(real_nixl) -> dict:
+    return stock_outcomes("STOCK_FAULTS", "checks.faults")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -45,7 +35,7 @@ def test_fault_is_reported_and_contained(stock: dict, case: Case):
 
 
 # The same cases as run on the prefixes of the series that introduced a read
-# path (forktools/run_tests.py writes them and names the files in PREFIX_FAULTS).
+# path (the test command writes them and names the files in PREFIX_FAULTS).
 PREFIX_RUNS = [
     pytest.param(Path(path), id=Path(path).stem)
     for path in os.environ.get("PREFIX_FAULTS", "").split(os.pathsep)
@@ -75,8 +65,8 @@ def _check(case: Case, got: dict, want: dict) -> None:
     if not got["failed"]:
         assert not fault.bad_input, got
         assert got["wrong_pages"] == 0, f"{case.name}: reported done, {got}"
-        loaded = dict.fromkeys(("fail", "recompute"), fault.loaded)
-        assert got["scheduler"] == loaded, got
+        loaded = "held, then freed" if fault.abort else "loaded"
+        assert got["scheduler"] == dict.fromkeys(POLICIES, loaded), got
         return
     assert got["scheduler"] == {"fail": "failed", "recompute": "recompute"}, got
     # The failure channel of the model.

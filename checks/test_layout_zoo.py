@@ -43,17 +43,6 @@ REFUSED_AT_REGISTRATION = {
 }
 
 
-@pytest.fixture(scope="module")
-def real_nixl() -> None:
-    """Skip unless real NIXL agents can READ host DRAM here."""
-    pytest.importorskip("nixl")
-    from forktools.harness.real_nixl import probe_real_nixl
-
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL unavailable: {reason}")
-
-
 def _offsets(layout: ZooLayout) -> dict[str, int]:
     """Byte offset of every layer view inside its backing allocation."""
     return {

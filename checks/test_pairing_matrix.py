@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fork against stock 0.34.0 on every P/D pair of the pairing matrix.
 
-``forktools/run_tests.py`` first runs ``checks.pairing_matrix --oracle`` on
-the pristine 0.34.0 tree and passes its JSON in ``STOCK_MATRIX``. Every case
-then runs here on the fork and is held against stock's run of the same case.
-
-Stock is held against the truth first (``truth.truth``): a wrong stock case
-is a stock bug and must be named in ``STOCK_CORRUPTS`` (and a named case must
+Stock's run of the same cases (``pairing_matrix --oracle``) comes from
+``STOCK_MATRIX`` and is held against the truth first: a wrong stock case is
+a stock bug and must be named in ``STOCK_CORRUPTS`` (and a named case must
 still be wrong on stock). The fork must be exact wherever it accepts a pair
 (except on the stock bugs it keeps, ``fork_keeps_stock_bug``: exactly stock's
 bytes there), register as many regions per side as stock (a mirrored staging
@@ -15,38 +12,24 @@ accepts and fail at the same step where both refuse, leave the decoder's
 bytes as stock does, move as many bytes and post no more descriptors.
 """
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("nixl")
 
+from checks.conftest import stock_outcomes  # noqa: E402
 from checks.pairing_matrix import (  # noqa: E402
     CASES,
-    FORK_REFUSES,
     STOCK_CORRUPTS,
     Case,
     device_case,
     fork_keeps_stock_bug,
     run_case,
 )
-from forktools.harness.real_nixl import probe_real_nixl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def stock() -> dict:
-    reason = probe_real_nixl()
-    if reason is not None:
-        pytest.skip(f"real NIXL over UCX unavailable: {reason}")
-    path = Path(os.environ.get("STOCK_MATRIX", "build/checks/stock_matrix.json"))
-    if not path.is_file():
-        pytest.fail(
-            f"{path} missing: run `PYTHONPATH=build/stock:. python -m "
-            f"checks.pairing_matrix --oracle --json {path}` (the test command does)"
-        )
-    return json.loads(path.read_text(encoding="utf-8"))
+def stock(real_nixl) -> dict:
+    return stock_outcomes("STOCK_MATRIX", "checks.pairing_matrix --oracle")
 
 
 def wrong(result: dict) -> list[str]:
@@ -104,16 +87,6 @@ def test_pair_matches_stock(stock: dict, case: Case):
     else:
         assert name not in STOCK_CORRUPTS, f"stock is right on {name} now"
     got = run_case(case)
-    refused = {
-        FORK_REFUSES.get(case.prefill.layout),
-        FORK_REFUSES.get(case.decode.layout),
-    }
-    if refused != {None}:
-        # Stock is wrong or refuses too; the fork refuses at registration.
-        assert stock_wrong or not want["accepted"], want
-        assert not got["accepted"] and got["error"].startswith("register"), got
-        assert any(hint in got["message"] for hint in refused - {None}), got
-        return
     if fork_keeps_stock_bug(name):
         # Not fixed yet: exactly stock's outcome, bytes included.
         assert stock_wrong and wrong(got) == stock_wrong, (wrong(got), stock_wrong)

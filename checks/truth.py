@@ -16,6 +16,7 @@ from unittest.mock import patch
 
 import torch
 
+from forktools.bench.job_nixl import all_zero
 from forktools.harness.layout_zoo import make_zoo_worker
 
 
@@ -75,22 +76,21 @@ def digest(caches: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def all_zero(raws: list[torch.Tensor]) -> bool:
-    return not any(bool(raw.any()) for raw in raws)
-
-
 def _raw_of(tensor: torch.Tensor, raws: list[torch.Tensor]) -> torch.Tensor | None:
     storage = tensor.untyped_storage().data_ptr()
     return next((r for r in raws if r.untyped_storage().data_ptr() == storage), None)
 
 
-def padded_pages(view: torch.Tensor, page_bytes: int | None, raws) -> torch.Tensor:
+def layer_pages(layout: Any, worker: Any, name: str, raws) -> torch.Tensor:
     """A layer's pages with their padding: ``(blocks, page_bytes)`` bytes.
 
-    A page's bytes past the view (alignment padding, e.g. DeepSeek-V4's) are
-    part of the page: a whole-row transfer moves them. The view where its
-    pages are not contiguous or the page size is unknown.
+    A page's bytes past the view (alignment padding, e.g. DeepSeek-V4's; the
+    page size of the worker's spec) are part of the page: a whole-row
+    transfer moves them. The view where its pages are not contiguous or the
+    page size is unknown.
     """
+    view = layout.kv_caches[name]
+    page_bytes = getattr(worker._layer_specs.get(name), "page_size_bytes", None)
     if page_bytes is None or not view[0].is_contiguous():
         return view
     raw = _raw_of(view, raws)
@@ -99,13 +99,6 @@ def padded_pages(view: torch.Tensor, page_bytes: int | None, raws) -> torch.Tens
         return view
     start = raw.storage_offset() + view.data_ptr() - raw.data_ptr()
     return torch.as_strided(raw, (view.shape[0], page_bytes), (block_stride, 1), start)
-
-
-def layer_pages(layout: Any, worker: Any, name: str, raws) -> torch.Tensor:
-    """``padded_pages`` of one layer, at the page size of the worker's spec."""
-    spec = worker._layer_specs.get(name)
-    size = getattr(spec, "page_size_bytes", None)
-    return padded_pages(layout.kv_caches[name], size, raws)
 
 
 def block_rows(layout: Any, raws) -> dict[str, tuple[torch.Tensor, dict[str, int]]]:
