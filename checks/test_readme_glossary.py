@@ -3,7 +3,7 @@
 
 import re
 
-from checks.cross_tree import ROOT
+from forktools.paths import ROOT
 
 README = ROOT / "README.md"
 SECTION = "## Words used here"
