@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The tables of the project's pages, rendered from measured JSON.
+"""The tables of the project's pages (``forktools/pages.py``), rendered from
+the JSON a benchmark or the test command wrote, each followed by where it came
+from (file, command, time written).
 
-Measured figures of the project's own pages are never typed: a line
-``<!-- table: NAME -->`` in README.md or ``project-docs/*.md`` is replaced by a
-table rendered from the JSON a benchmark or the test command wrote, followed
-by where it came from (file, command, time written).
 ``python3 -m forktools.docs_tables main-job`` prints one table,
 ``python3 -m forktools.docs_tables readme`` re-renders the pages' tables.
-Text lines are wrapped at ``WRAP`` columns; no table row is longer than
-``MAX_LINE`` (a long message is a footnote, not a cell). Stdlib only; imports
-``forktools.manifest`` and ``forktools.bench.report``, never ``forktools.fork``.
+No table row is longer than ``MAX_LINE`` (a long message is a footnote, not a
+cell).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forktools import manifest
+from forktools.bench import report
 from forktools.manifest import VLLM_VERSION
 from forktools.pages import (
     DIRECTIVE,
@@ -30,11 +30,11 @@ from forktools.pages import (
     pages,
     wrap_markdown,
 )
-from forktools.paths import ROOT
-from forktools.tables import markdown, markdown_rows, num
+from forktools.paths import BENCH_OUT, BUILD, RESULTS, ROOT
+from forktools.tables import markdown
 
-BENCH = ROOT / "build" / "bench"
-RESULTS = ROOT / "build" / "test-results"
+MAIN = "bash tools/main.sh"
+TEST = "bash tools/test.sh"
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,15 @@ def render_tests(data: dict[str, Any], _: str | None) -> list[str]:
     return lines
 
 
-def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
-    """forktools/bench/nixl_main_job.py: the scenarios listed (``1,2``), or all."""
-    from forktools.bench import report
-
+def check_schema(data: dict[str, Any]) -> None:
+    """The main job's JSON must be of the schema ``forktools.bench.report`` reads."""
     if data.get("schema") != report.SCHEMA:
         raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+
+
+def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
+    """forktools/bench/nixl_main_job.py: the scenarios listed (``1,2``), or all."""
+    check_schema(data)
     if scenarios:
         wanted = {f"({n})" for n in scenarios.split(",")}
         keys = {s["key"] for s in data["scenarios"] if s["short"] in wanted}
@@ -111,10 +114,7 @@ def render_main_job(data: dict[str, Any], scenarios: str | None) -> list[str]:
 
 def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
     """forktools/bench/nixl_main_job.py: per scenario, stock next to the series."""
-    from forktools.bench import report
-
-    if data.get("schema") != report.SCHEMA:
-        raise ValueError(f"schema {data.get('schema')!r}, want {report.SCHEMA}")
+    check_schema(data)
     scenarios = {s["key"]: s for s in data["scenarios"]}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in data["rows"]:
@@ -164,21 +164,6 @@ def render_headline(data: dict[str, Any], _: str | None) -> list[str]:
     ]
 
 
-def render_rolling_upgrade(data: dict[str, Any], _: str | None) -> list[str]:
-    """forktools/bench/nixl_main_job.py: its rolling-upgrade pairs alone."""
-    from forktools.bench import report
-
-    lines = report.upgrade_lines(data, markdown_rows)
-    if not lines:
-        raise ValueError("the main job ran no rolling-upgrade pair")
-    return lines
-
-
-# Blocks one chunked prefill step allocates per request at most (the
-# allocator-step table).
-STEP_BLOCKS = 256
-
-
 def render_allocator(rows: list[dict[str, Any]], _: str | None) -> list[str]:
     """forktools/bench/block_pool_alloc.py --json PATH: worst n > 1 cell per state."""
     worst: dict[str, dict[str, Any]] = {}
@@ -206,69 +191,7 @@ def render_allocator(rows: list[dict[str, Any]], _: str | None) -> list[str]:
     ]
 
 
-def render_allocator_step(rows: list[dict[str, Any]], _: str | None) -> list[str]:
-    """forktools/bench/block_pool_alloc.py --json PATH: calls of <= 256 blocks."""
-    body = [
-        (r["state"], r["pool"], r["n"], f"{r['queue med us']:,.1f}",
-         f"{r['sorted med us']:,.1f}",
-         f"{r['sorted med us'] - r['queue med us']:,.1f}",
-         f"{r['sorted p99 us'] - r['queue p99 us']:,.1f}")
-        for r in rows
-        if isinstance(r["n"], int) and 1 < r["n"] <= STEP_BLOCKS
-    ]  # fmt: skip
-    if not body:
-        raise ValueError(f"no multi-block cell of <= {STEP_BLOCKS} blocks per call")
-    header = ("pool state", "pool blocks", "blocks/call", "queue us (median)",
-              "sorted us (median)", "extra us/call (median)",
-              "extra us/call (p99)")  # fmt: skip
-    return [
-        *markdown(header, body),
-        "",
-        f"Every measured cell of at most {STEP_BLOCKS} blocks per call (a chunked "
-        "prefill step allocates at most that many per request); extra: sorted "
-        "minus queue, in microseconds per call.",
-    ]
-
-
-def render_cross_tree(data: dict[str, Any], _: str | None) -> list[str]:
-    """Each cross-tree pair next to stock + stock of the same configurations."""
-    results = data["results"]
-
-    def cells(result: dict[str, Any]) -> list[str]:
-        if not result.get("accepted"):
-            return ["refused: " + str(result.get("error")), "-"]
-        layouts = " -> ".join(result["layouts"])
-        ok = (
-            "exact"
-            if result["wrong_pages"] == 0 and result["outside_clean"]
-            else (f"{result['wrong_pages']} wrong pages")
-        )
-        run = result.get("run_descriptors")
-        descs = num(result["descriptors"]) + (f" / {num(run)}" if run else "")
-        return [f"{layouts}, {ok}", descs]
-
-    rows = [
-        (
-            entry["pair"],
-            *cells(results[entry["pair"]]),
-            *cells(results[entry["oracle"]]),
-        )
-        for entry in data["pairs"]
-    ]
-    return markdown(
-        (
-            "P -> D (tree+model+settings)",
-            "layouts resolved, bytes",
-            "descs",
-            "stock + stock: layouts, bytes",
-            "descs",
-        ),
-        rows,
-    ) + [
-        "",
-        "descs: NIXL telemetry descCount of the READ of 4 scattered blocks per "
-        "group / of one 8-block run per group, consecutive on both sides.",
-    ]
+CPU_MS = ("post_cpu_ms", "bare_cpu_ms", "vllm_cpu_ms")
 
 
 def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
@@ -284,12 +207,7 @@ def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
         first = per[labels[0]]
         cells = [first["layout"], f"{first['blocks']:,}", first["regions"]]
         for label in labels:
-            r = per[label]
-            cells += [
-                f"{r['post_cpu_ms']:.3f}",
-                f"{r['bare_cpu_ms']:.3f}",
-                f"{r['vllm_cpu_ms']:.3f}",
-            ]
+            cells += [f"{per[label][key]:.3f}" for key in CPU_MS]
         rows.append(tuple(cells))
     trees = ", ".join(f"{label} = {path}" for label, path in data["trees"].items())
     return markdown(tuple(head), rows) + [
@@ -307,19 +225,17 @@ def render_posting_cost(data: dict[str, Any], _: str | None) -> list[str]:
 
 def render_served(data: dict[str, Any], _: str | None) -> list[str]:
     """The served suite's result: its page's pairings table and note."""
-    from checks.served import report
+    from checks.served import report as served
 
-    page = report.page_data(data)
-    return report.pairing_rows(page) + [""] + report.notes(page)
+    page = served.page_data(data)
+    return served.pairing_rows(page) + [""] + served.notes(page)
 
 
 def render_run_costs(data: dict[str, Any], _: str | None) -> list[str]:
-    """forktools/run_costs.py: each command's last run, with the main job's beside it.
-
-    The main job's JSON (``main.json``) sits beside the test command's.
-    """
+    """forktools/run_costs.py: the test command's last run, and the main job's
+    (``main.json``, beside it)."""
     runs = [data]
-    main_json = ROOT / "build" / "costs" / "main.json"
+    main_json = BUILD / "costs" / "main.json"
     if main_json.exists():
         runs.append(json.loads(main_json.read_text(encoding="utf-8")))
 
@@ -376,11 +292,8 @@ def outcome_codes(texts: Sequence[str]) -> dict[str, str]:
 
 
 def render_faults(data: dict[str, Any], _: str | None) -> list[str]:
-    """forktools/bench/fault_lines.py --json: every fault case's outcome per tree.
-
-    A cell is a short code; the codes' outcomes follow the table (the JSON
-    keeps every outcome in full).
-    """
+    """forktools/bench/fault_lines.py --json: every fault case's outcome per
+    tree, as a short code; the codes' outcomes follow the table."""
     labels = list(data["trees"])
     codes = outcome_codes([row[label] for row in data["rows"] for label in labels])
     rows = [
@@ -401,44 +314,21 @@ def render_faults(data: dict[str, Any], _: str | None) -> list[str]:
 
 
 SOURCES: dict[str, Source] = {
-    "cross-tree": Source(
-        ROOT / "build" / "checks" / "cross_tree.json",
-        "bash tools/test.sh",
-        render_cross_tree,
-    ),
-    "zoo-regions": Source(
-        BENCH / "zoo_regions.json", "bash tools/main.sh", render_zoo_regions
-    ),
-    "main-job": Source(
-        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_main_job
-    ),
-    "headline": Source(
-        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_headline
-    ),
-    "rolling-upgrade": Source(
-        BENCH / "nixl_descriptors.json", "bash tools/main.sh", render_rolling_upgrade
-    ),
+    "zoo-regions": Source(BENCH_OUT / "zoo_regions.json", MAIN, render_zoo_regions),
+    "main-job": Source(BENCH_OUT / "nixl_descriptors.json", MAIN, render_main_job),
+    "headline": Source(BENCH_OUT / "nixl_descriptors.json", MAIN, render_headline),
     "allocator": Source(
-        BENCH / "block_pool_alloc.json",
+        BENCH_OUT / "block_pool_alloc.json",
         "bash tools/bench_block_pool.sh",
         render_allocator,
     ),
-    "allocator-step": Source(
-        BENCH / "block_pool_alloc.json",
-        "bash tools/bench_block_pool.sh",
-        render_allocator_step,
-    ),
-    "tests": Source(RESULTS / "summary.json", "bash tools/test.sh", render_tests),
-    "faults": Source(BENCH / "faults.json", "bash tools/main.sh", render_faults),
-    "run-costs": Source(
-        ROOT / "build" / "costs" / "test.json", "bash tools/test.sh", render_run_costs
-    ),
+    "tests": Source(RESULTS / "summary.json", TEST, render_tests),
+    "faults": Source(BENCH_OUT / "faults.json", MAIN, render_faults),
+    "run-costs": Source(BUILD / "costs" / "test.json", TEST, render_run_costs),
     # The test command's served suite; bash tools/main.sh runs it last.
-    "served": Source(
-        ROOT / "build" / "served" / "served.json", "bash tools/test.sh", render_served
-    ),
+    "served": Source(BUILD / "served" / "served.json", TEST, render_served),
     "posting-cost": Source(
-        BENCH / "posting_cost.json",
+        BENCH_OUT / "posting_cost.json",
         ".venv/bin/python -m forktools.bench.posting_cost "
         "--tree before=build/prefixes/0003-nixl-ordered-transfers "
         "--tree after=build/prefixes/0004-nixl-posting-cost "
@@ -450,8 +340,6 @@ SOURCES: dict[str, Source] = {
 
 def render_patch_sizes() -> list[str]:
     """Every patch's lines per kind, counted from the repository as it is."""
-    from forktools import manifest
-
     body = []
     for index, patch in enumerate(manifest.load_manifest().patches, start=1):
         counts = manifest.patch_lines(patch)
@@ -489,28 +377,10 @@ def render_table(name: str, arg: str | None = None) -> tuple[list[str], str | No
     return wrap_markdown(lines), None
 
 
-def fill_pages(only: Sequence[str] | None = None) -> list[str]:
-    """Re-render the table blocks of every page (``pages()``) in place.
-
-    Returns the commands of missing sources, and says which lines are longer
-    than ``MAX_LINE``.
-    """
-    missing: list[str] = []
-    for path in pages():
-        missing += [c for c in fill_readme(path, only) if c not in missing]
-        for n in long_lines(path.read_text(encoding="utf-8")):
-            print(f"docs_tables: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
-    return missing
-
-
-def fill_readme(
-    path: Path = ROOT / "README.md", only: Sequence[str] | None = None
-) -> list[str]:
-    """Re-render the table blocks of one page in place (all, or ``only``).
-
-    A block starts with a table directive and ends with ``<!-- end table -->``;
-    what lies between is replaced. Returns the commands of missing sources.
-    """
+def fill_page(path: Path, only: Sequence[str] | None = None) -> list[str]:
+    """Re-render the table blocks of one page in place (all, or ``only``):
+    from a table directive to ``END_TABLE``. Returns the commands of missing
+    sources, and says which lines are longer than ``MAX_LINE``."""
     out: list[str] = []
     missing: list[str] = []
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -527,7 +397,10 @@ def fill_readme(
         if command and command not in missing:
             missing.append(command)
         i = end + 1
-    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    text = "\n".join(out) + "\n"
+    path.write_text(text, encoding="utf-8")
+    for n in long_lines(text):
+        print(f"docs_tables: {path.relative_to(ROOT)}:{n}: over {MAX_LINE}")
     return missing
 
 
@@ -535,13 +408,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``docs_tables TABLE[:ARG]...`` prints tables; ``docs_tables readme
     [TABLE...]`` re-renders the tables of README.md and project-docs/*.md
     (all, or the named ones)."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("tables", nargs="+", help=f"readme, or {sorted(SOURCES)}")
     args = parser.parse_args(argv)
     if args.tables[0] == "readme":
-        missing = fill_pages(only=args.tables[1:] or None)
+        missing: list[str] = []
+        for page in pages():
+            new = fill_page(page, args.tables[1:] or None)
+            missing += [c for c in new if c not in missing]
         for command in missing:
             print(f"docs_tables: missing: run `{command}`")
         return 1 if missing else 0

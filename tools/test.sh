@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# THE test command: set up the env, rebuild build/vllm from the series and run
-# every suite of forktools/run_tests.py (lint, series tests, roundtrip, upstream
-# NIXL and block-pool CPU suites), ending with one summary table.
-#
-#   bash tools/test.sh                   # everything
-#   bash tools/test.sh --quick           # lint + series tests + roundtrip
-#   bash tools/test.sh --only nixl,block-pool
-#   bash tools/test.sh --no-build ...    # test build/vllm as it is (WIP commits)
-#   FORK_TESTS=lint bash tools/test.sh   # same as --only lint
+# The test command: set up the env, rebuild build/vllm from the series and run
+# the suites of forktools/run_tests.py (project-docs/tests.md), ending with one
+# summary table. Arguments go to run_tests.py (--quick, --only A,B, --list),
+# except --no-build: test build/vllm as it is.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,9 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What every suite runner shares: paths, git, the test environment, a row.
-
-No suite logic here: ``testrun.suites`` is the table, the other modules of
-``forktools/testrun/`` run one kind of suite each.
-"""
+"""What the suite runners share: git, worktrees, the test environment, a row."""
 
 from __future__ import annotations
 
@@ -13,16 +9,18 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Queue
+from typing import TypeVar
 
 from forktools.manifest import BASE_TAG
-from forktools.paths import CACHE_DIR as CACHE
-from forktools.paths import ROOT, TEST_SITE, TOOLS, TREE
+from forktools.paths import BUILD, CACHE_DIR, TEST_SITE, TREE
 
-MYPY_BASELINE = TOOLS / "mypy_baseline.txt"
 PYTHON = sys.executable
+LANES = 2  # suites that run two things at a time: one core each
 
 # pre-commit's global exclude in the upstream .pre-commit-config.yaml.
 PRECOMMIT_EXCLUDE = re.compile(
@@ -30,10 +28,13 @@ PRECOMMIT_EXCLUDE = re.compile(
     r"|vllm/models/kimi_k3/amd/ops/third_party/.*"
 )
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 @dataclass
 class Result:
-    """Counts and timing of one suite."""
+    """One row of the summary: counts and timing of a suite."""
 
     name: str
     passed: int = 0
@@ -41,10 +42,6 @@ class Result:
     skipped: int = 0
     seconds: float = 0.0
     note: str = ""
-
-
-# --------------------------------------------------------------------------
-# helpers
 
 
 def git_lines(*args: str) -> list[str]:
@@ -79,10 +76,55 @@ def add_worktree(path: Path, rev: str) -> None:
                    cwd=TREE, check=True)  # fmt: skip
 
 
-def touched_files() -> list[str]:
-    """Files the series adds or modifies (deleted ones cannot be linted)."""
+def worktree_at(path: Path, rev: str) -> Path:
+    """``path``: a worktree of build/vllm with ``rev``'s files (kept if it is one)."""
+    if not (path / ".git").exists() or not git_ok(
+        "-C", str(path), "diff", "--quiet", rev
+    ):
+        add_worktree(path, rev)
+    return path
+
+
+def in_lanes(
+    items: Sequence[T], lane: str, log: Path, work: Callable[[T, Path, Path], R]
+) -> list[R]:
+    """``work(item, worktree, part)`` for each item, ``LANES`` at a time.
+
+    Each lane holds a worktree ``build/<lane>-<i>`` of HEAD while the items
+    run; ``part`` is the item's own log, appended to ``log`` in item order.
+    """
+    lanes: Queue[Path] = Queue()
+    worktrees = [BUILD / f"{lane}-{i}" for i in range(LANES)]
+    for worktree in worktrees:
+        add_worktree(worktree, "HEAD")
+        lanes.put(worktree)
+
+    def run(index: int, item: T) -> tuple[R, str]:
+        worktree = lanes.get()
+        part = log.with_suffix(f".{index}.log")
+        part.write_text("", encoding="utf-8")
+        try:
+            return work(item, worktree, part), part.read_text(encoding="utf-8")
+        finally:
+            part.unlink(missing_ok=True)
+            lanes.put(worktree)
+
+    try:
+        with ThreadPoolExecutor(LANES) as pool:
+            outcomes = list(pool.map(run, range(len(items)), items))
+    finally:
+        for worktree in worktrees:
+            remove_worktree(worktree)
+    with open(log, "a", encoding="utf-8") as f:
+        f.writelines(text for _, text in outcomes)
+    return [result for result, _ in outcomes]
+
+
+def touched_files(rev: str = "HEAD") -> list[str]:
+    """Files the series up to ``rev`` adds or modifies (deleted ones cannot be
+    linted), less pre-commit's exclude."""
     files = git_lines(
-        "diff", "--name-only", "--no-renames", "--diff-filter=d", f"{BASE_TAG}..HEAD"
+        "diff", "--name-only", "--no-renames", "--diff-filter=d", f"{BASE_TAG}..{rev}"
     )
     return [f for f in files if not PRECOMMIT_EXCLUDE.match(f)]
 
@@ -94,7 +136,7 @@ def pythonpath(*dirs: Path) -> str:
 
 def run_env() -> dict[str, str]:
     env = dict(os.environ)
-    hf_home = Path(os.environ.get("HF_DIR", ROOT / "build" / "hf"))
+    hf_home = Path(os.environ.get("HF_DIR", BUILD / "hf"))
     env.update(
         HF_HOME=str(hf_home.resolve()),
         HF_HUB_OFFLINE="1",
@@ -106,10 +148,10 @@ def run_env() -> dict[str, str]:
         PYTHONPATH=pythonpath(TREE),
         PATH=f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",
         # Compile vLLM once for every test process, outside the trees.
-        PYTHONPYCACHEPREFIX=str(CACHE / "pyc"),
+        PYTHONPYCACHEPREFIX=str(CACHE_DIR / "pyc"),
         # Keep tool caches out of build/vllm so it stays clean.
-        RUFF_CACHE_DIR=str(CACHE / "ruff"),
-        MYPY_CACHE_DIR=str(CACHE / "mypy" / "default"),
+        RUFF_CACHE_DIR=str(CACHE_DIR / "ruff"),
+        MYPY_CACHE_DIR=str(CACHE_DIR / "mypy" / "default"),
     )
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env

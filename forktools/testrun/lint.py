@@ -12,8 +12,6 @@ import collections
 import importlib.util
 import re
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 from forktools.manifest import BASE_TAG
@@ -24,161 +22,111 @@ from forktools.pages import (
     pages,
     typed_figures,
 )
-from forktools.paths import CACHE_DIR as CACHE
-from forktools.paths import RESULTS, ROOT, TOOLS, TREE
+from forktools.paths import CACHE_DIR, RESULTS, ROOT, SERIES, STOCK_TREE, TOOLS, TREE
 from forktools.testrun.common import (
-    MYPY_BASELINE,
     PYTHON,
     Result,
-    add_worktree,
-    git_blob,
     git_lines,
-    git_ok,
     plural,
-    remove_worktree,
     run_env,
     run_logged,
+    touched_files,
+    worktree_at,
 )
 from forktools.testrun.suites import PY, Suite
 
-# --------------------------------------------------------------------------
-# mypy with a baseline of stock errors
-
-
+MYPY_BASELINE = TOOLS / "mypy_baseline.txt"
+MARKDOWNLINT = CACHE_DIR / "node" / "node_modules" / ".bin" / "markdownlint-cli2"
 MYPY_ERROR = re.compile(r"^(?P<path>[^:\s]+):\d+: error: (?P<msg>.*)$")
+TYPO = re.compile(r"^(?P<path>[^:\s]+):\d+:\d+: (?P<msg>.*)$")
+# A finding as the lint tools print it: 'path:line[:col]...' (ruff, mypy,
+# typos, markdownlint) or ruff format's 'Would reformat: path'.
+FINDING = re.compile(r"^(\S+?:\d+(:\d+)?[: ]|Would reformat: |\S+: missing SPDX)")
+
+Findings = collections.Counter[str]
 
 
-def load_mypy_module() -> object:
+def findings(
+    cmd: list[str], cwd: Path, log: Path, env: dict[str, str], line: re.Pattern[str]
+) -> tuple[int, Findings]:
+    """Run a lint tool: its exit status and its 'path: message' counts."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ (in {cwd}) {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        f.write(f"# exit {proc.returncode}\n")
+    found: Findings = collections.Counter()
+    for m in filter(None, map(line.match, proc.stdout.splitlines())):
+        found[f"{m.group('path')}: {m.group('msg')}"] += 1
+    return proc.returncode, found
+
+
+def new_findings(found: Findings, known: Findings, log: Path, what: str) -> int:
+    """Log and count the findings of ``found`` that ``known`` does not hold;
+    ``what`` names the others in the log."""
+    new = found - known
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"\n{found.total() - new.total()} {what}\n")
+        f.writelines(f"NEW: {err}\n" for err in sorted(new.elements()))
+    return new.total()
+
+
+def mypy_errors(
+    tree: Path, files: list[str], log: Path, env: dict[str, str], cache: Path
+) -> Findings:
+    """Run upstream's mypy.py per file group; return 'path: message' counts.
+
+    mypy.py runs each group with different options; a cache shared between
+    them is invalidated on every call, so each group gets its own cache dir.
+    """
     spec = importlib.util.spec_from_file_location(
         "upstream_mypy", TREE / "tools" / "pre_commit" / "mypy.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
-
-
-def mypy_errors(
-    tree: Path, files: list[str], log: Path, env: dict[str, str],
-    cache: Path = CACHE / "mypy",
-) -> collections.Counter[str]:  # fmt: skip
-    """Run upstream's mypy.py per file group; return 'path: message' counts.
-
-    mypy.py runs each group with different options; a cache shared between
-    them is invalidated on every call, so each group gets its own cache dir.
-    """
-    module = load_mypy_module()
-    groups: dict[str, list[str]] = module.group_files(files)  # type: ignore[attr-defined]
-    errors: collections.Counter[str] = collections.Counter()
-    for group, group_files in groups.items():
+    errors: Findings = collections.Counter()
+    for group, group_files in module.group_files(files).items():
         if not group_files:
             continue
-        genv = dict(env)
-        genv["MYPY_CACHE_DIR"] = str(cache / (group or "default"))
+        genv = dict(env, MYPY_CACHE_DIR=str(cache / (group or "default")))
         cmd = [PYTHON, "tools/pre_commit/mypy.py", "3.11", *group_files]
-        start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=tree, env=genv, capture_output=True, text=True)
-        took = time.monotonic() - start
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-            f.write(f"# exit {proc.returncode} after {took:.1f} s\n")
-        found = 0
-        for line in proc.stdout.splitlines():
-            m = MYPY_ERROR.match(line)
-            if m:
-                errors[f"{m.group('path')}: {m.group('msg')}"] += 1
-                found += 1
-        if proc.returncode != 0 and not found:  # crashed, not a type error
-            errors[f"{group or '<default>'}: mypy exit {proc.returncode}"] += 1
+        rc, found = findings(cmd, tree, log, genv, MYPY_ERROR)
+        if rc != 0 and not found:  # crashed, not a type error
+            found[f"{group or '<default>'}: mypy exit {rc}"] += 1
+        errors += found
     return errors
 
 
-def load_baseline() -> collections.Counter[str]:
-    counts: collections.Counter[str] = collections.Counter()
-    if MYPY_BASELINE.exists():
-        for line in MYPY_BASELINE.read_text(encoding="utf-8").splitlines():
-            if line.strip() and not line.startswith("#"):
-                counts[line] += 1
-    return counts
-
-
-def run_mypy(
-    tree: Path, files: list[str], log: Path, env: dict[str, str],
-    cache: Path = CACHE / "mypy",
-) -> tuple[int, int]:  # fmt: skip
-    """mypy on ``files`` in ``tree``: (new errors, stock errors ignored)."""
-    errors = mypy_errors(tree, files, log, env, cache)
-    new = errors - load_baseline()
-    known = sum(errors.values()) - sum(new.values())
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(f"\n{known} stock error(s) ignored (tools/mypy_baseline.txt)\n")
-        for err in sorted(new.elements()):
-            f.write(f"NEW: {err}\n")
-    return sum(new.values()), known
+def load_baseline() -> Findings:
+    lines = MYPY_BASELINE.read_text(encoding="utf-8").splitlines()
+    return collections.Counter(
+        ln for ln in lines if ln.strip() and not ln.startswith("#")
+    )
 
 
 def update_mypy_baseline() -> int:
-    """Add stock mypy errors of the touched upstream files to the baseline.
-
-    Runs mypy on the pristine release versions of the files the series
-    modifies (in a temporary worktree) and merges them into the baseline.
-    """
-    env = run_env()
-    modified = [
-        f
-        for f in git_lines(
-            "diff", "--name-only", "--no-renames", "--diff-filter=M",
-            f"{BASE_TAG}..HEAD",
-        )
-        if re.search(PY, f)
-    ]  # fmt: skip
+    """Add the stock mypy errors of the upstream files the series modifies (run
+    on their pristine versions, in build/stock) to the baseline."""
+    modified = git_lines("diff", "--name-only", "--no-renames", "--diff-filter=M",
+                         f"{BASE_TAG}..HEAD")  # fmt: skip
+    modified = [f for f in modified if re.search(PY, f)]
     if not modified:
         print("no upstream python files modified; baseline unchanged")
         return 0
-    worktree = ROOT / "build" / "mypy-base"
-    add_worktree(worktree, BASE_TAG)
+    tree = worktree_at(STOCK_TREE, BASE_TAG)
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / "mypy-baseline.log"
     log.write_text("")
-    try:
-        env["PYTHONPATH"] = str(worktree)
-        stock = mypy_errors(worktree, modified, log, env)
-    finally:
-        remove_worktree(worktree)
+    env = dict(run_env(), PYTHONPATH=str(tree))
+    stock = mypy_errors(tree, modified, log, env, CACHE_DIR / "mypy")
     merged = load_baseline() | stock
-    header = [
-        ln
-        for ln in MYPY_BASELINE.read_text(encoding="utf-8").splitlines()
-        if ln.startswith("#")
-    ] if MYPY_BASELINE.exists() else []  # fmt: skip
+    lines = MYPY_BASELINE.read_text(encoding="utf-8").splitlines()
+    header = [ln for ln in lines if ln.startswith("#")]
     MYPY_BASELINE.write_text(
         "\n".join([*header, *sorted(merged.elements())]) + "\n", encoding="utf-8"
     )
-    print(f"{MYPY_BASELINE.relative_to(ROOT)}: {sum(merged.values())} entries")
+    print(f"{MYPY_BASELINE.relative_to(ROOT)}: {merged.total()} entries")
     return 0
-
-
-# --------------------------------------------------------------------------
-# typos, minus typos already present in the pristine files
-
-TYPO = re.compile(r"^(?P<path>[^:\s]+):\d+:\d+: (?P<msg>.*)$")
-
-
-def typos_found(
-    cmd: list[str], cwd: Path, log: Path, env: dict[str, str]
-) -> collections.Counter[str] | None:
-    """'path: message' counts reported by typos, or None if typos crashed."""
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(f"$ (in {cwd}) {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    if proc.returncode not in (0, 2):
-        return None
-    found: collections.Counter[str] = collections.Counter()
-    for line in proc.stdout.splitlines():
-        m = TYPO.match(line)
-        if m:
-            found[f"{m.group('path')}: {m.group('msg')}"] += 1
-    return found
 
 
 def run_typos(
@@ -187,50 +135,31 @@ def run_typos(
     """typos on the touched files; typos the release already had are ignored.
 
     typos checks whole files, so touching an upstream file with a stock typo
-    would otherwise fail; upstream's pre-commit has the same blind spot.
+    would otherwise fail (upstream's pre-commit has the same blind spot); the
+    pristine files are build/stock's.
 
     Returns:
         (new typos, stock typos ignored); new is -1 if typos crashed.
     """
     cmd = [*suite.cmd, "--config", str(tree / "pyproject.toml")]
-    found = typos_found([*cmd, *files], tree, log, env)
-    if found is None:
+    rc, found = findings([*cmd, *files], tree, log, env, TYPO)
+    if rc not in (0, 2):
         return -1, 0
     if not found:
         return 0, 0
-    stock: collections.Counter[str] = collections.Counter()
-    old = [f for f in files if git_ok("cat-file", "-e", f"{BASE_TAG}:{f}")]
-    if old:
-        with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
-            for f in old:
-                dest = Path(tmp) / f
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(git_blob(f"{BASE_TAG}:{f}"))
-            stock = typos_found([*cmd, *old], Path(tmp), log, env) or stock
-    new = found - stock
-    known = sum(found.values()) - sum(new.values())
-    with open(log, "a", encoding="utf-8") as out:
-        out.write(f"\n{known} typo(s) already in {BASE_TAG} ignored\n")
-        for err in sorted(new.elements()):
-            out.write(f"NEW: {err}\n")
-    return sum(new.values()), known
-
-
-MARKDOWNLINT = CACHE / "node" / "node_modules" / ".bin" / "markdownlint-cli2"
-# A finding as the lint tools print it: 'path:line[:col]...' (ruff, mypy,
-# typos, markdownlint) or ruff format's 'Would reformat: path'.
-FINDING = re.compile(r"^(\S+?:\d+(:\d+)?[: ]|Would reformat: |\S+: missing SPDX)")
-
-
-def project_markdown() -> list[Path]:
-    """README.md, project-docs/*.md and series/covers/*.md of this repository."""
-    return [*pages(), *sorted((ROOT / "series" / "covers").glob("*.md"))]
+    stock: Findings = collections.Counter()
+    pristine = worktree_at(STOCK_TREE, BASE_TAG)
+    if old := [f for f in files if (pristine / f).is_file()]:
+        rc, in_stock = findings([*cmd, *old], pristine, log, env, TYPO)
+        stock = in_stock if rc in (0, 2) else stock
+    new = new_findings(found, stock, log, f"typo(s) already in {BASE_TAG} ignored")
+    return new, found.total() - new
 
 
 def long_page_lines(log: Path) -> bool:
-    """No line of README.md or project-docs/*.md over ``MAX_LINE`` characters
-    outside code blocks, and no measured figure typed by hand outside a
-    generated block; each one found is logged as a finding."""
+    """No line of the pages over ``MAX_LINE`` characters outside code blocks,
+    and no measured figure typed by hand outside a generated block; each one
+    found is logged as a finding."""
     found = []
     for path in pages():
         text, rel = path.read_text(encoding="utf-8"), path.relative_to(ROOT)
@@ -261,11 +190,14 @@ def lint_files(suite: Suite, touched: list[str]) -> list[str]:
 
 def lint_in(
     suite: Suite, tree: Path, files: list[str], log: Path, env: dict[str, str],
-    mypy_cache: Path = CACHE / "mypy",
+    mypy_cache: Path = CACHE_DIR / "mypy",
 ) -> tuple[bool, int, str]:  # fmt: skip
     """Run one lint tool in ``tree``: (ok, findings, extra note)."""
     if suite.name == "lint:mypy":
-        new, known = run_mypy(tree, files, log, env, mypy_cache)
+        errors = mypy_errors(tree, files, log, env, mypy_cache)
+        what = "stock error(s) ignored (tools/mypy_baseline.txt)"
+        new = new_findings(errors, load_baseline(), log, what)
+        known = errors.total() - new
         return not new, new, f"{known} stock errors ignored" if known else ""
     if suite.name == "lint:typos":
         new, known = run_typos(suite, tree, files, log, env)
@@ -285,51 +217,48 @@ def lint_in(
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"$ {' '.join(cmd)}\n{output}")
     ok = proc.returncode == 0
-    findings = count_findings(output)
-    return ok, findings if findings or ok else 1, ""
+    found = count_findings(output)
+    return ok, found if found or ok else 1, ""
 
 
-def run_lint(
-    suite: Suite, touched: list[str], log: Path, env: dict[str, str]
-) -> Result:
+def run_lint(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     res = Result(suite.name)
-    files = lint_files(suite, touched)
+    files = lint_files(suite, touched_files())
     if not files:
         res.passed, res.note = 1, "no files to check"
         return res
-    if suite.name == "lint:markdownlint" and not MARKDOWNLINT.exists():
-        res.skipped = 1
-        res.note = "markdownlint-cli2 not installed (setup_env.sh needs npm)"
-        return res
     if suite.name == "lint:markdownlint":
-        # The project's own markdown too: README and the PR descriptions.
-        files += [str(f) for f in project_markdown()]
-    ok, findings, extra = lint_in(suite, TREE, files, log, env)
-    res.note = f"{plural(len(files), 'file')}, {plural(findings, 'finding')}"
+        if not MARKDOWNLINT.exists():
+            res.skipped = 1
+            res.note = "markdownlint-cli2 not installed (setup_env.sh needs npm)"
+            return res
+        # The project's own markdown too: the pages and the PR descriptions.
+        files += map(str, [*pages(), *sorted((SERIES / "covers").glob("*.md"))])
+    ok, found, extra = lint_in(suite, TREE, files, log, env)
+    res.note = f"{plural(len(files), 'file')}, {plural(found, 'finding')}"
     if extra:
         res.note += f" ({extra})"
     res.passed, res.failed = (1, 0) if ok else (0, 1)
     return res
 
 
-PROJECT_PY = ("forktools", "tools", "checks")
-
-
-def run_lint_project(log: Path, env: dict[str, str]) -> Result:
+def run_lint_project(suite: Suite, log: Path, env: dict[str, str]) -> Result:
     """ruff check and format over the project's own Python files, and the
     length of the project pages' lines."""
     files = sorted(
-        str(f.relative_to(ROOT)) for d in PROJECT_PY for f in (ROOT / d).rglob("*.py")
+        str(f.relative_to(ROOT))
+        for d in ("forktools", "tools", "checks")
+        for f in (ROOT / d).rglob("*.py")
     )
     config = ["--config", str(TOOLS / "ruff.toml")]
     ok = True
     for cmd in (["ruff", "check", *config], ["ruff", "format", "--check", *config]):
         ok &= run_logged([*cmd, *files], ROOT, log, env) == 0
     ok &= long_page_lines(log)
-    findings = count_findings(log.read_text(encoding="utf-8"))
+    found = count_findings(log.read_text(encoding="utf-8"))
     return Result(
-        "lint:project",
+        suite.name,
         passed=int(ok),
         failed=int(not ok),
-        note=f"{plural(len(files), 'file')}, {plural(findings, 'finding')}",
+        note=f"{plural(len(files), 'file')}, {plural(found, 'finding')}",
     )

@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 """The mutations suite: each exported test file must fail on a fork with one
-deliberate break (``MUTATIONS``), two breaks at a time in worktrees of their
-own; and the served suite must fail on servers of a fork whose decoder reads
-the wrong blocks (``SERVED_MUTATION``).
+deliberate break (``MUTATIONS``), and the served suite on servers of a fork
+whose decoder reads the wrong blocks (``SERVED_MUTATION``).
 """
 
 from __future__ import annotations
 
-import xml.etree.ElementTree as ET
+import functools
 from pathlib import Path
 
-from forktools.paths import RESULTS, ROOT
+from forktools.manifest import load_manifest
+from forktools.paths import BUILD, RESULTS, ROOT
 from forktools.testrun.common import (
     PYTHON,
     Result,
-    add_worktree,
+    in_lanes,
     pythonpath,
-    remove_worktree,
     run_logged,
 )
+from forktools.testrun.project_checks import stock_worktree
+from forktools.testrun.pytest_runs import junit_cases, series_test_files
+from forktools.testrun.suites import Suite
 
 # One deliberate break per exported test file: (the patch whose test it is,
 # test file under tests/, file of the fork, text to replace, replacement). The
@@ -185,41 +187,6 @@ SERVED_ONLY = "llama-gqa:series+series"
 SERVED_CATCHES = "test_completions_equal_oracle["
 
 
-# Exported test files that skip without a CUDA GPU: no break can fail them
-# here.
-GPU_ONLY = frozenset(
-    {
-        "v1/kv_connector/nixl_integration/test_nixl_gpu_pd.py",
-    }
-)
-
-
-def active_mutations() -> list[tuple[str, str, str, str]]:
-    """The breaks, each checked to name a patch of the manifest."""
-    from forktools.manifest import load_manifest  # forktools/manifest.py
-
-    built = {p.name for p in load_manifest().patches}
-    unknown = {m[0] for m in MUTATIONS} - built
-    if unknown:
-        raise SystemExit(f"mutations: no patch named {sorted(unknown)}")
-    return [m[1:] for m in MUTATIONS]
-
-
-def unmutated_test_files() -> list[str]:
-    """Test files the series adds that no break in ``MUTATIONS`` targets."""
-    from forktools.manifest import load_manifest  # forktools/manifest.py
-
-    covered = {test.split("::")[0] for _, test, *_ in MUTATIONS}
-    return [
-        rel
-        for patch in load_manifest().patches
-        for path in patch.files
-        if path.startswith("tests/")
-        and Path(path).name.startswith("test_")
-        and (rel := path[len("tests/") :]) not in covered | GPU_ONLY
-    ]
-
-
 def served_break(worktree: Path, part: Path, env: dict[str, str]) -> str | None:
     """The reduced served run on servers of ``worktree`` (mutated): None when
     it fails on the token-equality test only, else what went otherwise.
@@ -227,8 +194,6 @@ def served_break(worktree: Path, part: Path, env: dict[str, str]) -> str | None:
     The worktree gets the CPU extension (``forktools/cpu_ext.py install``: the
     cached build, linked; an ignored file) for the run, and loses it after.
     """
-    from forktools.testrun.project_checks import stock_worktree
-
     stock = stock_worktree()
     trees = [worktree] + ([] if list((stock / "vllm").glob("_C*.so")) else [stock])
     try:
@@ -240,7 +205,7 @@ def served_break(worktree: Path, part: Path, env: dict[str, str]) -> str | None:
         senv = dict(
             env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock),
             SERIES_TREE=str(worktree), SERVED_ONLY=SERVED_ONLY,
-            SERVED_OUT=str(ROOT / "build" / "served-mutant"),
+            SERVED_OUT=str(BUILD / "served-mutant"),
             FORK_CPU_RUNNER="standalone",
         )  # fmt: skip
         rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q",
@@ -249,85 +214,53 @@ def served_break(worktree: Path, part: Path, env: dict[str, str]) -> str | None:
     finally:
         for lib in (worktree / "vllm").glob("_C*.so"):
             lib.unlink()
-    failed = []
-    if junit.exists():
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            if case.find("failure") is not None or case.find("error") is not None:
-                failed.append(case.get("name") or "?")
+    failed = [case.name for case in junit_cases(junit) if case.outcome == "failed"]
     if rc == 1 and failed and all(n.startswith(SERVED_CATCHES) for n in failed):
         return None
     return f"exit {rc}, failed {failed or 'nothing'}"
 
 
-def run_mutations(log: Path, env: dict[str, str]) -> Result:
-    """Each exported test file fails on a fork with its deliberate break, and
-    the served suite on servers of a fork with ``SERVED_MUTATION``.
-
-    Two breaks run at a time (one per core), each in a worktree of its own,
-    the served one first (the longest); every run writes its own log,
-    appended to ``log`` in order.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-    from queue import Queue
-
-    worktrees: Queue[Path] = Queue()
-    for i in range(2):
-        worktree = ROOT / "build" / f"mutant-{i}"
-        add_worktree(worktree, "HEAD")
-        worktrees.put(worktree)
-
-    mutations = [SERVED_MUTATION, *active_mutations()]
-
-    def mutate(index: int) -> tuple[str, str | None]:
-        test, target, old, new = mutations[index]
-        worktree = worktrees.get()
-        part = log.with_suffix(f".{index}.log")
-        part.write_text(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
-        try:
-            path = worktree / target
-            text = path.read_text(encoding="utf-8")
-            if text.count(old) != 1:
-                return (
-                    part.read_text(),
-                    f"{Path(test).name}: mutation no longer applies",
-                )
-            path.write_text(text.replace(old, new), encoding="utf-8")
-            try:
-                if index == 0:
-                    why = served_break(worktree, part, env)
-                    missed = None if why is None else f"served: {why}, not caught"
-                else:
-                    wenv = dict(env, PYTHONPATH=pythonpath(worktree))
-                    rc = run_logged([PYTHON, "-m", "pytest", "-p", "no:cacheprovider",
-                                     "-q", "-x", test], worktree / "tests", part,
-                                    wenv)  # fmt: skip
-                    missed = (
-                        None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
-                    )
-            finally:
-                path.write_text(text, encoding="utf-8")
-            return part.read_text(), missed
-        finally:
-            part.unlink(missing_ok=True)
-            worktrees.put(worktree)
-
-    res = Result("mutations")
-    missed = []
+def caught(
+    mutation: tuple[str, str, str, str], worktree: Path, part: Path, env: dict[str, str]
+) -> str | None:
+    """Apply one break in ``worktree`` and run its test: None if the test
+    fails on it, else what was missed. The worktree is restored after."""
+    test, target, old, new = mutation
+    with open(part, "a", encoding="utf-8") as f:
+        f.write(f"\n=== {test}: {target}: {old!r} -> {new!r}\n")
+    path = worktree / target
+    text = path.read_text(encoding="utf-8")
+    if text.count(old) != 1:
+        return f"{Path(test).name}: mutation no longer applies"
+    path.write_text(text.replace(old, new), encoding="utf-8")
     try:
-        with ThreadPoolExecutor(2) as pool:
-            outcomes = list(pool.map(mutate, range(len(mutations))))
+        if mutation is SERVED_MUTATION:
+            why = served_break(worktree, part, env)
+            return None if why is None else f"served: {why}, not caught"
+        wenv = dict(env, PYTHONPATH=pythonpath(worktree))
+        cmd = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", test]
+        rc = run_logged(cmd, worktree / "tests", part, wenv)
+        return None if rc == 1 else f"{Path(test).name}: exit {rc}, not caught"
     finally:
-        for i in range(2):
-            remove_worktree(ROOT / "build" / f"mutant-{i}")
-    with open(log, "a", encoding="utf-8") as f:
-        for text, miss in outcomes:
-            f.write(text)
-            res.passed += miss is None
-            res.failed += miss is not None
-            missed += [miss] if miss else []
-    for rel in unmutated_test_files():
-        res.failed += 1
-        missed.append(f"{Path(rel).name}: no break in MUTATIONS")
+        path.write_text(text, encoding="utf-8")
+
+
+def run_mutations(suite: Suite, log: Path, env: dict[str, str]) -> Result:
+    """Each break caught, two at a time (one per core) in worktrees of their
+    own, the served one first (the longest); and a break for every test file
+    the series adds."""
+    patches = {patch.name for patch in load_manifest().patches}
+    if unknown := {m[0] for m in MUTATIONS} - patches:
+        raise SystemExit(f"mutations: no patch named {sorted(unknown)}")
+    mutations = [SERVED_MUTATION, *(m[1:] for m in MUTATIONS)]
+    outcomes = in_lanes(mutations, "mutant", log, functools.partial(caught, env=env))
+    missed = [miss for miss in outcomes if miss]
+    res = Result(suite.name, passed=len(mutations) - len(missed))
+    covered = {test.split("::")[0] for _, test, *_ in MUTATIONS}
+    for rel in series_test_files():
+        if rel not in covered:
+            missed.append(f"{Path(rel).name}: no break in MUTATIONS")
+    res.failed = len(missed)
     res.note = f"{res.passed} of {len(mutations)} breaks caught" + (
         "; " + "; ".join(missed) if missed else ""
     )

@@ -10,19 +10,17 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import TextIO
 
 from forktools.manifest import BASE_TAG, load_manifest
-from forktools.paths import CHECKS_OUT, ROOT, STOCK_TREE, TREE
+from forktools.paths import BUILD, CHECKS_OUT, ROOT, STOCK_TREE, TREE
 from forktools.testrun.common import (
     PYTHON,
     Result,
-    add_worktree,
     git_lines,
-    git_ok,
     pythonpath,
     run_logged,
     tail,
+    worktree_at,
 )
 from forktools.testrun.pytest_runs import run_pytest
 from forktools.testrun.suites import Suite
@@ -31,84 +29,63 @@ from forktools.testrun.suites import Suite
 # an LBNHC prefiller into rows): the fault cases also run on their prefixes
 # of the series.
 FAULT_PREFIXES = ("nixl-row-page-reads",)
-FAULT_PREFIX_DIR = ROOT / "build" / "fault-prefixes"
 
 
 def stock_worktree() -> Path:
     """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
-    if (STOCK_TREE / ".git").exists() and git_ok(
-        "-C", str(STOCK_TREE), "diff", "--quiet", BASE_TAG
-    ):
-        return STOCK_TREE
-    add_worktree(STOCK_TREE, BASE_TAG)
-    return STOCK_TREE
+    return worktree_at(STOCK_TREE, BASE_TAG)
 
 
-def fault_prefix_worktrees(
-    prefixes: tuple[str, ...] = FAULT_PREFIXES,
-) -> dict[str, Path]:
-    """Worktrees of build/vllm at the last commit of each of ``prefixes``."""
+def fault_prefix_worktrees() -> dict[str, Path]:
+    """Worktrees of build/vllm at the last commit of each ``FAULT_PREFIXES``."""
     names = [patch.name for patch in load_manifest().patches]
     commits = git_lines("rev-list", "--reverse", f"{BASE_TAG}..HEAD")
-    trees = {}
-    for name in prefixes:
-        commit = commits[names.index(name)]
-        path = FAULT_PREFIX_DIR / name
-        head = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        if head != commit or not git_ok("-C", str(path), "diff", "--quiet", "HEAD"):
-            add_worktree(path, commit)
-        trees[name] = path
-    return trees
+    return {
+        name: worktree_at(BUILD / "fault-prefixes" / name, commits[names.index(name)])
+        for name in FAULT_PREFIXES
+    }
 
 
-def _spawn_logged(cmd: list[str], env: dict[str, str], out: TextIO) -> subprocess.Popen:
-    """Start ``cmd`` from the repository, its command line and output in ``out``."""
-    out.write(f"$ PYTHONPATH={env['PYTHONPATH']} {' '.join(cmd)}\n")
-    out.flush()
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-    )
+def run_at_once(jobs: list[tuple[list[str], dict[str, str]]], log: Path) -> bool:
+    """Run (command, environment) jobs at once from the repository, their
+    command lines and output in ``log``: did every one pass?"""
+    with open(log, "a", encoding="utf-8") as out:
+        procs = []
+        for cmd, env in jobs:
+            out.write(f"$ PYTHONPATH={env['PYTHONPATH']} {' '.join(cmd)}\n")
+            out.flush()
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+        return all([proc.wait() == 0 for proc in procs])
 
 
 def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """The stock oracles on build/stock (three processes at once), then checks/."""
+    """The stock oracles on build/stock (three processes at once), the fault
+    cases on the prefixes, then checks/."""
     stock = stock_worktree()
     CHECKS_OUT.mkdir(parents=True, exist_ok=True)
     senv = dict(env, PYTHONPATH=pythonpath(stock, ROOT))
-    procs = []
+    shards = [CHECKS_OUT / f"stock-{shard}.json" for shard in range(2)]
     faults = CHECKS_OUT / "stock_faults.json"
-    prefixes = fault_prefix_worktrees()
-    prefix_faults = {
-        name: CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes
-    }
-    with open(log, "a", encoding="utf-8") as out:
-        # The pairing matrix in two shards, and the fault cases.
-        for cmd in [
-            [PYTHON, "-m", "checks.pairing_matrix", "--oracle",
-             "--shard", f"{shard}/2",
-             "--json", str(CHECKS_OUT / f"stock-{shard}.json")]
-            for shard in range(2)
-        ] + [[PYTHON, "-m", "checks.faults", "--json", str(faults)]]:  # fmt: skip
-            procs.append(_spawn_logged(cmd, senv, out))
-    if any(proc.wait() != 0 for proc in procs):
+    oracles = [
+        [PYTHON, "-m", "checks.pairing_matrix", "--oracle", "--shard", f"{i}/2",
+         "--json", str(shard)]
+        for i, shard in enumerate(shards)
+    ] + [[PYTHON, "-m", "checks.faults", "--json", str(faults)]]  # fmt: skip
+    if not run_at_once([(cmd, senv) for cmd in oracles], log):
         return Result(suite.name, failed=1, note="stock oracle failed (see log)")
-    with open(log, "a", encoding="utf-8") as out:
-        # The fault cases on the prefixes that introduced a read path.
-        procs = []
-        for name, tree in prefixes.items():
-            penv = dict(env, PYTHONPATH=pythonpath(tree, ROOT))
-            cmd = [PYTHON, "-m", "checks.faults", "--json", str(prefix_faults[name])]
-            procs.append(_spawn_logged(cmd, penv, out))
-    if any(proc.wait() != 0 for proc in procs):
+    prefixes = fault_prefix_worktrees()
+    prefix_faults = [CHECKS_OUT / f"prefix_faults-{name}.json" for name in prefixes]
+    jobs = [
+        ([PYTHON, "-m", "checks.faults", "--json", str(out)],
+         dict(env, PYTHONPATH=pythonpath(tree, ROOT)))
+        for out, tree in zip(prefix_faults, prefixes.values(), strict=True)
+    ]  # fmt: skip
+    if not run_at_once(jobs, log):
         return Result(suite.name, failed=1, note="prefix fault runs failed (see log)")
     merged: dict[str, object] = {}
-    for shard in range(2):
-        merged |= json.loads((CHECKS_OUT / f"stock-{shard}.json").read_text())
+    for shard in shards:
+        merged |= json.loads(shard.read_text())
     oracle = CHECKS_OUT / "stock_matrix.json"
     oracle.write_text(json.dumps(merged) + "\n", encoding="utf-8")
     cenv = dict(
@@ -116,34 +93,28 @@ def run_checks(suite: Suite, log: Path, env: dict[str, str]) -> Result:
         PYTHONPATH=pythonpath(TREE, ROOT),
         STOCK_MATRIX=str(oracle),
         STOCK_FAULTS=str(faults),
-        PREFIX_FAULTS=os.pathsep.join(str(path) for path in prefix_faults.values()),
+        PREFIX_FAULTS=os.pathsep.join(map(str, prefix_faults)),
         STOCK_TREE=str(stock),
     )
-    res = run_pytest(
-        suite.name,
-        # test_root_copies.py: its own suite (root-final), without vLLM.
-        ["checks", "--ignore=checks/served",
-         "--ignore=checks/test_root_copies.py"],
-        None, suite.workers, log, cenv, cwd=ROOT,
-    )  # fmt: skip
     cases = (
         f"{len(merged)} stock cases, {len(json.loads(faults.read_text()))} faults "
         f"(also on {len(prefixes)} prefixes)"
     )
-    res.note = f"{cases}; " + res.note.replace("2 files", "checks/")
-    return res
+    # test_root_copies.py: its own suite (root-final), without vLLM.
+    paths = ["checks", "--ignore=checks/served", "--ignore=checks/test_root_copies.py"]
+    return run_pytest(suite.name, paths, suite.workers, log, cenv, cwd=ROOT,
+                      what=f"{cases}; checks/")  # fmt: skip
 
 
 def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
-    """P/D served as users run it (``checks/served``): ``vllm serve`` for P and
-    D on build/stock and build/vllm, vLLM's toy proxy, an HTTP client.
+    """P/D served as users run it (``checks/served``) on build/stock and
+    build/vllm, with the CPU extension ``forktools/cpu_ext.py install`` builds
+    on first use (cached) and links into both trees.
 
-    ``forktools/cpu_ext.py install`` builds vLLM's CPU extension from the verified
-    sdist on first use (cached by its inputs) and links it into both trees.
     pytest itself imports no vLLM (--noconftest: not checks/conftest.py's fork
-    fixtures); each server gets its own PYTHONPATH (its tree, then
-    checks/served/site) from checks/served/commands.py. The suite skips (naming
-    what is missing) without the serving packages.
+    fixtures); each server gets its own PYTHONPATH from
+    checks/served/commands.py. The suite skips (naming what is missing)
+    without the serving packages.
     """
     stock = stock_worktree()
     cmd = [PYTHON, "-m", "forktools.cpu_ext", "install", str(TREE), str(stock)]
@@ -152,7 +123,5 @@ def run_served(suite: Suite, log: Path, env: dict[str, str]) -> Result:
                       + tail(log, 3).replace("\n", " "))  # fmt: skip
     cenv = dict(env, PYTHONPATH=pythonpath(ROOT), STOCK_TREE=str(stock))
     cenv["FORK_CPU_RUNNER"] = "standalone"  # engines run without Triton
-    res = run_pytest(suite.name, ["--noconftest", "checks/served"], None, 0, log,
-                     cenv, cwd=ROOT)  # fmt: skip
-    res.note = res.note.replace("2 files", "checks/served")
-    return res
+    return run_pytest(suite.name, ["--noconftest", "checks/served"], 0, log, cenv,
+                      cwd=ROOT, what="checks/served")  # fmt: skip

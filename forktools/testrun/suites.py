@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The suite table: one row of the summary per ``Suite``, in order.
-
-``forktools/run_tests.py`` runs them; ``--list`` prints them. A suite's ``kind``
-names the runner (``run_tests.run_suite``).
-"""
+"""The suite table: one row of the summary per ``Suite``, in order; a suite's
+``kind`` names its runner (``run_tests.RUNNERS``)."""
 
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ class Suite:
     """One row of the summary table."""
 
     name: str
-    kind: str  # "lint" | "series" | "roundtrip" | "stack1" | "save-check" | ...
+    kind: str
     _: KW_ONLY
     # lint: command run from build/vllm; "{py}" is the venv python.
     cmd: tuple[str, ...] = ()
@@ -83,17 +80,10 @@ SUITES: list[Suite] = [
           "tools/pre_commit/.markdownlint.yaml"),
     Suite("lint:project", "lint-project", quick=True),
     Suite("roundtrip", "roundtrip", quick=True),
-    # The first stack alone, as `git am` puts it on a pristine release
-    # (roundtrip leaves that tree): the tests its patches add or change.
     Suite("stack1-alone", "stack1", workers=2),
-    # `fork.py build` then `save` must leave the repository as it is.
     Suite("save-canonical", "save-check", quick=True),
-    # Each new file's root copy is build/vllm HEAD's (its final version), and
-    # a later patch's edit of an earlier patch's new file builds back
-    # (checks/test_root_copies.py, no vLLM).
     Suite("root-final", "root-final", quick=True),
-    # The series and pytest suites below share one pytest run (run_batch).
-    # Series test files that job does not run (the GPU tests: they skip here).
+    # The series and pytest suites share one pytest run (run_batch).
     Suite("series-tests", "series", workers=2, quick=True),
     Suite("nixl-connector", "pytest", marker="cpu_test", workers=2, stock=29,
           paths=(f"{UNIT}/test_nixl_connector.py",)),
@@ -111,11 +101,9 @@ SUITES: list[Suite] = [
         "v1/core/test_single_type_kv_cache_manager.py",
         "v1/core/test_deferred_block_free.py",
     )),
-    # Every shorter prefix of the series: its patch's lint and tests there.
     Suite("bisect", "bisect"),
     Suite("checks", "checks", workers=2),
     Suite("mutations", "mutations"),
-    # P/D as users run it: vllm serve x 2, the toy proxy, an HTTP client.
     Suite("served", "served"),
 ]  # fmt: skip
 

@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """A pytest plugin: a marker per test file, so suites share one pytest run.
 
-``forktools/run_tests.py`` runs several suites in one pytest process (each run
-pays ~20 s importing torch and vLLM through ``tests/conftest.py``), but
-upstream's NIXL connector files run with ``-m cpu_test`` and the series' files
-without it. ``RUN_TESTS_FILE_MARKERS`` is a JSON object mapping test files,
-relative to the directory pytest runs in, to the marker their tests need;
-tests of a listed file without that marker are deselected, as ``-m`` would
-deselect them. Load it with ``-p file_markers`` (``tools/pytest_plugins`` on
-``PYTHONPATH``).
+``RUN_TESTS_FILE_MARKERS`` maps test files, relative to pytest's directory, to
+the marker their tests need; a listed file's tests without it are deselected,
+as ``-m`` would. Load it with ``-p file_markers`` (this directory on
+``PYTHONPATH``), as ``forktools/testrun/pytest_runs.py`` does.
 """
 
 from __future__ import annotations
@@ -19,15 +15,13 @@ from pathlib import Path
 
 import pytest
 
-ENV = "RUN_TESTS_FILE_MARKERS"
-
 
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    wanted: dict[str, str] = json.loads(os.environ.get(ENV) or "{}")
-    if not wanted:
-        return
+    wanted: dict[str, str] = json.loads(
+        os.environ.get("RUN_TESTS_FILE_MARKERS") or "{}"
+    )
     base = config.invocation_params.dir
     keep, drop = [], []
     for item in items:
