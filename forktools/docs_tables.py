@@ -325,8 +325,9 @@ SOURCES: dict[str, Source] = {
     "tests": Source(RESULTS / "summary.json", TEST, render_tests),
     "faults": Source(BENCH_OUT / "faults.json", MAIN, render_faults),
     "run-costs": Source(BUILD / "costs" / "test.json", TEST, render_run_costs),
-    # The test command's served suite; bash tools/main.sh runs it last.
-    "served": Source(BUILD / "served" / "served.json", TEST, render_served),
+    # bash tools/main.sh runs the served suite last (the test command's run
+    # writes build/served/, which the served page shows).
+    "served": Source(BENCH_OUT / "served.json", MAIN, render_served),
     "posting-cost": Source(
         BENCH_OUT / "posting_cost.json",
         ".venv/bin/python -m forktools.bench.posting_cost "

@@ -16,7 +16,7 @@
 # read paths' prefixes and the series (forktools/bench/fault_lines.py,
 # build/bench/faults.json), then P/D served by real vLLM engines over NIXL on
 # CPU, stock and series trees, each tiny model (checks/served/suite.py,
-# build/served/served.json; the first run also builds vLLM's CPU extension,
+# build/bench/served.json; the first run also builds vLLM's CPU extension,
 # which forktools/cpu_ext.py caches). Each phase's time,
 # the peak memory and the disk go to build/costs/main.json (README's
 # run-costs table). Extra arguments go to the job (default:
@@ -84,7 +84,7 @@ echo "main: fault cases per tree (forktools/bench/fault_lines.py)"
 # Real engines as users run P/D: `vllm serve` for P and D of each tree (stock
 # in build/stock, the series in build/vllm) and each tiny model, the toy
 # proxy and an HTTP client, with the CPU extension forktools/cpu_ext.py
-# builds once and caches. Writes build/served/served.json (the docs tables
+# builds once and caches. Writes build/bench/served.json (the docs tables
 # read it) and prints its table.
 echo
 costs mark engines
@@ -92,5 +92,5 @@ echo "main: P/D served by real engines (checks/served/suite.py)"
 STOCK=$("$VPY" -c 'from forktools.testrun.project_checks import stock_worktree
 print(stock_worktree())')
 "$VPY" -m forktools.cpu_ext install "$TREE" "$STOCK"
-STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.served.suite --json build/served/served.json
+STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.served.suite --json build/bench/served.json
 PYTHONPATH=$ROOT "$VPY" -m forktools.docs_tables served
