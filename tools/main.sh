@@ -89,7 +89,7 @@ echo "main: fault cases per tree (forktools/bench/fault_lines.py)"
 echo
 costs mark engines
 echo "main: P/D served by real engines (checks/served/suite.py)"
-STOCK=$("$VPY" -c 'from forktools.testrun.project_checks import stock_worktree
+STOCK=$("$VPY" -c 'from forktools.testrun.common import stock_worktree
 print(stock_worktree())')
 "$VPY" -m forktools.cpu_ext install "$TREE" "$STOCK"
 STOCK_TREE=$STOCK PYTHONPATH=$ROOT "$VPY" -m checks.served.suite --json build/bench/served.json

@@ -17,7 +17,7 @@ from queue import Queue
 from typing import TypeVar
 
 from forktools.manifest import BASE_TAG
-from forktools.paths import BUILD, CACHE_DIR, TEST_SITE, TREE
+from forktools.paths import BUILD, CACHE_DIR, STOCK_TREE, TEST_SITE, TREE
 
 PYTHON = sys.executable
 LANES = 2  # suites that run two things at a time: one core each
@@ -83,6 +83,11 @@ def worktree_at(path: Path, rev: str) -> Path:
     ):
         add_worktree(path, rev)
     return path
+
+
+def stock_worktree() -> Path:
+    """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
+    return worktree_at(STOCK_TREE, BASE_TAG)
 
 
 def in_lanes(

@@ -22,7 +22,7 @@ from forktools.pages import (
     pages,
     typed_figures,
 )
-from forktools.paths import CACHE_DIR, RESULTS, ROOT, SERIES, STOCK_TREE, TOOLS, TREE
+from forktools.paths import CACHE_DIR, RESULTS, ROOT, SERIES, TOOLS, TREE
 from forktools.testrun.common import (
     PYTHON,
     Result,
@@ -30,8 +30,8 @@ from forktools.testrun.common import (
     plural,
     run_env,
     run_logged,
+    stock_worktree,
     touched_files,
-    worktree_at,
 )
 from forktools.testrun.suites import PY, Suite
 
@@ -113,7 +113,7 @@ def update_mypy_baseline() -> int:
     if not modified:
         print("no upstream python files modified; baseline unchanged")
         return 0
-    tree = worktree_at(STOCK_TREE, BASE_TAG)
+    tree = stock_worktree()
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / "mypy-baseline.log"
     log.write_text("")
@@ -148,7 +148,7 @@ def run_typos(
     if not found:
         return 0, 0
     stock: Findings = collections.Counter()
-    pristine = worktree_at(STOCK_TREE, BASE_TAG)
+    pristine = stock_worktree()
     if old := [f for f in files if (pristine / f).is_file()]:
         rc, in_stock = findings([*cmd, *old], pristine, log, env, TYPO)
         stock = in_stock if rc in (0, 2) else stock

@@ -17,8 +17,8 @@ from forktools.testrun.common import (
     in_lanes,
     pythonpath,
     run_logged,
+    stock_worktree,
 )
-from forktools.testrun.project_checks import stock_worktree
 from forktools.testrun.pytest_runs import junit_cases, series_test_files
 from forktools.testrun.suites import Suite
 

@@ -12,13 +12,14 @@ import subprocess
 from pathlib import Path
 
 from forktools.manifest import BASE_TAG, load_manifest
-from forktools.paths import BUILD, CHECKS_OUT, ROOT, STOCK_TREE, TREE
+from forktools.paths import BUILD, CHECKS_OUT, ROOT, TREE
 from forktools.testrun.common import (
     PYTHON,
     Result,
     git_lines,
     pythonpath,
     run_logged,
+    stock_worktree,
     tail,
     worktree_at,
 )
@@ -29,11 +30,6 @@ from forktools.testrun.suites import Suite
 # an LBNHC prefiller into rows): the fault cases also run on their prefixes
 # of the series.
 FAULT_PREFIXES = ("nixl-row-page-reads",)
-
-
-def stock_worktree() -> Path:
-    """``build/stock``: a worktree of the pristine tag (stock, the oracle)."""
-    return worktree_at(STOCK_TREE, BASE_TAG)
 
 
 def fault_prefix_worktrees() -> dict[str, Path]:

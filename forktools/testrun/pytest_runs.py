@@ -29,15 +29,21 @@ from forktools.testrun.common import (
 from forktools.testrun.suites import Suite, file_markers
 
 
+def is_test_module(path: str) -> bool:
+    """Whether pytest collects ``path`` (its default ``python_files``)."""
+    name = Path(path).name
+    return name.endswith(".py") and (
+        name.startswith("test_") or name.endswith("_test.py")
+    )
+
+
 def series_test_files() -> list[str]:
     """Test files added by the manifest's patches, relative to tests/."""
     return [
         f.removeprefix("tests/")
         for patch in load_manifest().patches
         for f in patch.files
-        if f.startswith("tests/")
-        and f.endswith(".py")
-        and (Path(f).name.startswith("test_") or f.endswith("_test.py"))
+        if f.startswith("tests/") and is_test_module(f)
     ]
 
 
@@ -45,11 +51,7 @@ def changed_test_files(base: str, head: str) -> list[str]:
     """Test modules ``base..head`` adds or changes, relative to tests/."""
     files = git_lines("diff", "--name-only", "--no-renames", "--diff-filter=AM",
                       base, head, "--", "tests/")  # fmt: skip
-    return [
-        f.removeprefix("tests/")
-        for f in files
-        if Path(f).name.startswith("test_") and f.endswith(".py")
-    ]
+    return [f.removeprefix("tests/") for f in files if is_test_module(f)]
 
 
 @dataclass(frozen=True)
